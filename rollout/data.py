@@ -1,0 +1,142 @@
+"""Prompt sets: files through `datasets` (JSONL, JSON, parquet, a saved dataset folder) or reasoning-gym
+generators, rendered with the tokenizer's chat template and tokenized before the engine starts, so bad input
+fails fast with one message naming the file and row."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REASONING_GYM_PREFIX = "reasoning_gym:"
+
+
+class DataError(ValueError):
+    """The prompt set cannot be read or a row is unusable."""
+
+
+@dataclass
+class Prompt:
+    prompt_id: str
+    text: str  # as given to the model, chat template applied
+    token_ids: list[int]
+    answer: str | None = None
+    # Reward in [0, 1] for a completion; None where the set has no scorer.
+    score: Callable[[str], float] | None = None
+
+
+def extract_final_answer(completion: str) -> str:
+    """The answer a completion commits to: after the last '####', else in <answer> tags, else its last number."""
+    if "####" in completion:
+        return completion.rsplit("####", 1)[1].strip().split("\n")[0].strip()
+    tagged = re.findall(r"<answer>(.*?)</answer>", completion, flags=re.S)
+    if tagged:
+        return tagged[-1].strip()
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", completion)
+    return numbers[-1].replace(",", "") if numbers else ""
+
+
+def _reasoning_gym_rows(name: str, size: int, seed: int) -> list[dict]:
+    import reasoning_gym
+
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed)
+    except Exception as exc:  # reasoning-gym raises several types for unknown names
+        raise DataError(f"reasoning-gym has no usable dataset {name!r}: {exc}") from exc
+    rows = []
+    for index, entry in enumerate(dataset):
+        rows.append({
+            "id": f"{name}-{seed}-{index}", "prompt": entry["question"], "answer": str(entry["answer"]),
+            # The scorer compares text to the entry; it runs no code from the data.
+            "score": (lambda completion, entry=entry: float(
+                dataset.score_answer(extract_final_answer(completion), entry=entry))),
+        })
+    return rows
+
+
+def _file_rows(path: str) -> list[dict]:
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    source = Path(path)
+    if not source.exists():
+        raise DataError(f"prompt set {path} does not exist")
+    datasets.disable_progress_bars()
+    try:
+        if source.is_dir():
+            loaded = datasets.load_from_disk(str(source))
+            if isinstance(loaded, datasets.DatasetDict):
+                loaded = loaded[next(iter(loaded))]
+        else:
+            suffix = source.suffix.lower()
+            builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
+            if builder is None:
+                raise DataError(f"prompt set {path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet "
+                                "or a saved dataset folder)")
+            loaded = datasets.load_dataset(builder, data_files=str(source), split="train")
+    except DataError:
+        raise
+    except (DatasetGenerationError, ValueError, OSError, TypeError) as exc:
+        cause = exc.__cause__ or exc
+        raise DataError(f"prompt set {path} cannot be read: {str(cause).splitlines()[0]}") from exc
+    return loaded.to_list()
+
+
+def load_rows(source: str, num_prompts: int | None, seed: int) -> list[dict]:
+    if source.startswith(REASONING_GYM_PREFIX):
+        return _reasoning_gym_rows(source[len(REASONING_GYM_PREFIX):], num_prompts or 64, seed)
+    rows = _file_rows(source)
+    return rows[:num_prompts] if num_prompts else rows
+
+
+def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_field: str, id_field: str | None,
+                    answer_field: str | None, system_prompt: str | None, apply_chat_template: bool,
+                    max_prompt_tokens: int) -> list[Prompt]:
+    """Render and tokenize every row; the first unusable one raises a DataError naming it."""
+    if not rows:
+        raise DataError(f"prompt set {source} is empty")
+    use_template = apply_chat_template and getattr(tokenizer, "chat_template", None)
+    prompts, seen = [], set()
+    for index, row in enumerate(rows):
+        where = f"{source}, row {index}"
+        if prompt_field not in row or row[prompt_field] is None:
+            raise DataError(f"{where}: missing prompt field {prompt_field!r} (set data.prompt_field)")
+        raw = row[prompt_field]
+        prompt_id = str(row[id_field]) if id_field and row.get(id_field) is not None else str(index)
+        if prompt_id in seen:
+            raise DataError(f"{where}: duplicate prompt id {prompt_id!r}")
+        seen.add(prompt_id)
+        if isinstance(raw, str):
+            if not raw.strip():
+                raise DataError(f"{where}: empty prompt")
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+                [{"role": "user", "content": raw}]
+        elif isinstance(raw, list) and raw and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                    for m in raw):
+            messages = raw
+        else:
+            raise DataError(f"{where}: prompt field {prompt_field!r} must be a string or a list of "
+                            "{role, content} messages")
+        if use_template:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            text = "\n\n".join(m["content"] for m in messages)
+            token_ids = tokenizer(text)["input_ids"]
+        if len(token_ids) > max_prompt_tokens:
+            raise DataError(f"{where}: prompt {prompt_id!r} has {len(token_ids)} tokens, more than the "
+                            f"{max_prompt_tokens} the model's context leaves (model.max_model_len)")
+        answer = row.get(answer_field) if answer_field else None
+        prompts.append(Prompt(prompt_id=prompt_id, text=text, token_ids=list(token_ids),
+                              answer=None if answer is None else str(answer), score=row.get("score")))
+    return prompts
+
+
+def load_prompts(data, tokenizer: Any, max_prompt_tokens: int) -> list[Prompt]:
+    """The prompt set a `DataConfig` describes, rendered and tokenized."""
+    return prepare_prompts(
+        load_rows(data.source, data.num_prompts, data.seed), tokenizer, source=data.source,
+        prompt_field=data.prompt_field, id_field=data.id_field, answer_field=data.answer_field,
+        system_prompt=data.system_prompt, apply_chat_template=data.apply_chat_template,
+        max_prompt_tokens=max_prompt_tokens)

@@ -1,0 +1,267 @@
+"""The rollout driver: builds vLLM once with the dynamic-batch scheduler and generates n samples per prompt.
+
+`RolloutEngine` is what a trainer keeps across RL iterations: the scheduler (and the length statistics inside
+it) lives as long as the engine, so each `generate` call starts from what the previous ones learned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rollout.config import RunConfig
+from rollout.data import Prompt
+from rollout.models import resolve_model
+
+TRACE_FILE = "trace.jsonl"
+STATS_FILE = "length_stats.json"
+SERIES_POINTS = 200
+
+
+@dataclass
+class GenerationResult:
+    records: list[dict]
+    summary: dict
+    trace: list[dict] = field(default_factory=list)
+
+
+class TraceReader:
+    """Follows the scheduler's trace file (written by the engine process) from a given offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.records: list[dict] = []
+        self.header: dict | None = None
+        self._partial = ""
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open() as f:
+            f.seek(self.offset)
+            chunk = f.read()
+            self.offset = f.tell()
+        lines = (self._partial + chunk).split("\n")
+        self._partial = lines.pop()
+        new = []
+        for line in lines:
+            if not line:
+                continue
+            record = json.loads(line)
+            if record.get("event") == "start":
+                self.header = record
+            else:
+                new.append(record)
+        self.records.extend(new)
+        return new
+
+
+def read_trace_header(path: Path) -> dict:
+    """The most recent engine-start record of a trace file."""
+    header = {}
+    with path.open() as f:
+        for line in f:
+            if '"event": "start"' in line:
+                header = json.loads(line)
+    return header
+
+
+class RolloutEngine:
+    def __init__(self, cfg: RunConfig, workdir: str | os.PathLike) -> None:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        from rollout.vllm_adapter import adapter_settings, scheduler_class_path
+
+        self.cfg = cfg
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.trace_path = self.workdir / TRACE_FILE
+        self.stats_out = Path(cfg.output.stats_out) if cfg.output.stats_out else self.workdir / STATS_FILE
+        self.stats_in = self._stats_prior()
+        self.model_path = resolve_model(cfg.model.path)
+        m, p = cfg.model, cfg.policy
+        async_scheduling = False if current_platform.is_cpu() else m.async_scheduling is not False
+        # vLLM 0.32's CPU runner crashes on seeded requests whose prefill is chunked ("CPU Generator does not
+        # use offset"); there the engine seed alone makes runs reproducible.
+        self.per_request_seeds = not current_platform.is_cpu()
+        stats_options = {"forgetting": p.forgetting, "window": p.window, "decay": p.decay}
+        kwargs = dict(
+            model=self.model_path, dtype=m.dtype, max_model_len=m.max_model_len, max_num_seqs=p.b_max,
+            seed=cfg.sampling.seed, enforce_eager=m.enforce_eager, tensor_parallel_size=m.tensor_parallel_size,
+            enable_prefix_caching=m.enable_prefix_caching, disable_log_stats=False,
+            async_scheduling=async_scheduling, scheduler_cls=scheduler_class_path(async_scheduling),
+            additional_config=adapter_settings(asdict(p), str(self.trace_path),
+                                               str(self.stats_in) if self.stats_in else None,
+                                               str(self.stats_out), stats_options),
+        )
+        for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
+            if getattr(m, key) is not None:
+                kwargs[key] = getattr(m, key)
+        kwargs.update(m.engine_kwargs)
+        start = time.monotonic()
+        self.llm = LLM(**kwargs)
+        self.engine_start_s = time.monotonic() - start
+        self.tokenizer = self.llm.get_tokenizer()
+        self.header = read_trace_header(self.trace_path)
+
+    def _stats_prior(self) -> Path | None:
+        stats_in = self.cfg.output.stats_in
+        if stats_in == "auto":
+            return self.stats_out if self.stats_out.is_file() else None
+        if stats_in:
+            if not Path(stats_in).is_file():
+                raise FileNotFoundError(f"output.stats_in: {stats_in} does not exist")
+            return Path(stats_in)
+        return None
+
+    def _counter(self, name: str) -> float:
+        # vLLM's metrics are process-wide and cumulative across generate() calls: callers take differences.
+        return sum(getattr(metric, "value", 0) for metric in self.llm.get_metrics() if metric.name == name)
+
+    def sampling_params(self, seed: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = self.cfg.sampling
+        return SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                              seed=seed if self.per_request_seeds else None, logprobs=s.logprobs,
+                              ignore_eos=s.ignore_eos,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def generate(self, prompts: list[Prompt], progress: bool = True,
+                 max_tokens: list[int] | None = None) -> GenerationResult:
+        """n samples for every prompt. `max_tokens` (one per prompt) overrides the configured limit."""
+        from tqdm import tqdm
+
+        n = self.cfg.sampling.n
+        engine = self.llm.llm_engine
+        trace = TraceReader(self.trace_path)
+        preempted_before = self._counter("vllm:num_preemptions")
+        generated_before = self._counter("vllm:generation_tokens")
+        start = time.monotonic()
+        for index, prompt in enumerate(prompts):
+            for sample in range(n):
+                params = self.sampling_params(self.cfg.sampling.seed + index * n + sample)
+                if max_tokens is not None:
+                    params.max_tokens = max_tokens[index]
+                engine.add_request(f"{index}:{sample}", {"prompt_token_ids": prompt.token_ids}, params)
+        outputs, last_poll = {}, 0.0
+        bar = tqdm(total=len(prompts) * n, unit="sample", disable=not progress, dynamic_ncols=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+                    bar.update(1)
+            now = time.monotonic()
+            if progress and now - last_poll > 0.5:
+                last_poll = now
+                trace.poll()
+                latest = trace.records[-1] if trace.records else {}
+                generated = self._counter("vllm:generation_tokens") - generated_before
+                bar.set_postfix(tok_s=f"{generated / max(now - start, 1e-9):.0f}", cap=latest.get("cap"),
+                                run=latest.get("running"), kv=f"{latest.get('kv_usage', 0):.0%}", refresh=False)
+        wall = time.monotonic() - start
+        bar.close()
+        trace.poll()
+        records = self._records(prompts, outputs)
+        summary = self._summary(records, trace, wall, self._counter("vllm:num_preemptions") - preempted_before)
+        return GenerationResult(records=records, summary=summary, trace=trace.records)
+
+    def _records(self, prompts: list[Prompt], outputs: dict) -> list[dict]:
+        n = self.cfg.sampling.n
+        records = []
+        for index, prompt in enumerate(prompts):
+            for sample in range(n):
+                out = outputs[f"{index}:{sample}"]
+                completion = out.outputs[0]
+                text = completion.text if completion.text is not None else ""
+                record = {
+                    "prompt_id": prompt.prompt_id, "sample_index": sample, "group_index": index,
+                    "prompt": prompt.text, "completion": text,
+                    "prompt_token_ids": list(prompt.token_ids), "completion_token_ids": list(completion.token_ids),
+                    "prompt_tokens": len(prompt.token_ids), "completion_tokens": len(completion.token_ids),
+                    "finish_reason": completion.finish_reason,
+                    "num_preemptions": getattr(out.metrics, "num_preemptions", None) if out.metrics else None,
+                }
+                if self.cfg.sampling.logprobs is not None:
+                    record["logprobs"] = [float(step[token].logprob) for step, token in
+                                          zip(completion.logprobs or [], completion.token_ids)]
+                if prompt.answer is not None:
+                    record["answer"] = prompt.answer
+                if prompt.score is not None:
+                    record["reward"] = prompt.score(text)
+                records.append(record)
+        return records
+
+    def _summary(self, records: list[dict], trace: TraceReader, wall: float, preemptions: float) -> dict:
+        lengths = np.array([r["completion_tokens"] for r in records])
+        generated = int(lengths.sum())
+        prompt_tokens = sum(r["prompt_tokens"] for r in records)
+        steps = trace.records
+        header = self.header
+        block_size = header.get("block_size", 0)
+        summary = {
+            "policy": self.cfg.policy.name, "model": self.cfg.model.path, "num_prompts": len(records) // max(
+                self.cfg.sampling.n, 1), "samples_per_prompt": self.cfg.sampling.n, "num_samples": len(records),
+            "engine_start_s": round(self.engine_start_s, 2), "wall_time_s": round(wall, 3),
+            "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+            "generated_tokens_per_s": round(generated / wall, 2) if wall > 0 else None,
+            "completion_tokens": {"mean": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),
+                                  "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max())},
+            "finish_reasons": dict(Counter(str(r["finish_reason"]) for r in records)),
+            "preemptions": int(preemptions),
+            "preemptions_in_trace": int(sum(s["preempted"] for s in steps)),
+            "kv_capacity_blocks": header.get("kv_capacity_blocks"), "block_size": block_size,
+            "kv_capacity_tokens": (header.get("kv_capacity_blocks") or 0) * block_size,
+            "b_max": header.get("max_cap"), "cap_knob": header.get("cap_attr"),
+            "steps": len(steps),
+        }
+        if steps:
+            caps = np.array([s["cap"] for s in steps])
+            running = np.array([s["running"] for s in steps])
+            buffers = [s.get("safety_buffer_tokens") for s in steps if s.get("safety_buffer_tokens") is not None]
+            summary.update({
+                "cap": {"min": int(caps.min()), "mean": float(caps.mean()), "max": int(caps.max())},
+                "running": {"mean": float(running.mean()), "max": int(running.max())},
+                "kv_usage_mean": float(np.mean([s["kv_usage"] for s in steps])),
+                "safety_buffer_tokens": {"first": buffers[0], "last": buffers[-1]} if buffers else None,
+                "first_step_stats_count": steps[0].get("stats_count"),
+                "series": downsample(steps, SERIES_POINTS),
+            })
+        rewards = [r["reward"] for r in records if "reward" in r]
+        if rewards:
+            summary["reward_mean"] = float(np.mean(rewards))
+            summary["accuracy"] = float(np.mean([r >= 1.0 for r in rewards]))
+        if self.stats_out.is_file():
+            summary["length_stats"] = {"path": str(self.stats_out), "prior": str(self.stats_in) if self.stats_in
+                                       else None, **json.loads(self.stats_out.read_text())["summary"]}
+        return summary
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def downsample(steps: list[dict], points: int) -> list[dict]:
+    keys = ("step", "t", "cap", "running", "waiting", "kv_usage", "preempted", "safety_buffer_tokens")
+    stride = max(1, math.ceil(len(steps) / points))
+    picked = steps[::stride]
+    if picked[-1] is not steps[-1]:
+        picked.append(steps[-1])
+    return [{k: s.get(k) for k in keys} for s in picked]

@@ -1,0 +1,215 @@
+"""Running statistics of request lengths (prompt, output, their sum, and the sum in KV blocks).
+
+These feed the memory policy's expected demand and its safety buffer. They are updated online as rollouts
+finish, can forget old observations (a sliding window or exponential decay) so that drift in response length
+across RL iterations is followed, and are saved after a run so the next iteration starts from them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORGETTING_MODES = ("none", "window", "exponential")
+STATS_FORMAT_VERSION = 1
+
+
+@dataclass
+class Moments:
+    """Count, mean and variance of a stream of values.
+
+    forgetting="none": exact Welford. "exponential": each older observation's weight is multiplied by `decay`
+    on every new one. "window": only the last `window` values count.
+    """
+
+    forgetting: str = "none"
+    window: int = 2048
+    decay: float = 0.999
+    count: int = 0
+    weight: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+    recent: deque = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.forgetting not in FORGETTING_MODES:
+            raise ValueError(f"forgetting must be one of {FORGETTING_MODES}, got {self.forgetting!r}")
+        self.recent = deque(self.recent, maxlen=self.window if self.forgetting == "window" else None)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        if self.forgetting == "window":
+            self.recent.append(float(value))
+            values = np.asarray(self.recent)
+            self.weight = float(len(values))
+            self.mean = float(values.mean())
+            self.m2 = float(((values - self.mean) ** 2).sum())
+            return
+        if self.forgetting == "exponential":
+            self.weight *= self.decay
+            self.m2 *= self.decay
+        self.weight += 1.0
+        delta = value - self.mean
+        self.mean += delta / self.weight
+        self.m2 += delta * (value - self.mean)
+
+    @property
+    def variance(self) -> float:
+        """Population variance of the weighted observations (0 with fewer than two)."""
+        return self.m2 / self.weight if self.weight > 1.0 else 0.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.variance, 0.0))
+
+    def merge(self, other: Moments) -> None:
+        """Fold another stream into this one (Chan et al.'s pairwise update on weights)."""
+        if other.weight == 0:
+            return
+        if self.forgetting == "window":
+            for value in other.recent:
+                self.recent.append(value)
+            self.count += other.count
+            values = np.asarray(self.recent)
+            self.weight, self.mean = float(len(values)), float(values.mean())
+            self.m2 = float(((values - self.mean) ** 2).sum())
+            return
+        total = self.weight + other.weight
+        delta = other.mean - self.mean
+        self.mean += delta * other.weight / total
+        self.m2 += other.m2 + delta * delta * self.weight * other.weight / total
+        self.weight = total
+        self.count += other.count
+
+    def to_dict(self) -> dict:
+        out = {"count": self.count, "weight": self.weight, "mean": self.mean, "m2": self.m2}
+        if self.forgetting == "window":
+            out["recent"] = list(self.recent)
+        return out
+
+    def load_dict(self, data: dict) -> None:
+        if self.forgetting == "window":
+            # A prior saved without its raw values is rebuilt as `weight` copies of its mean, which keeps the mean
+            # and drops the spread; saved windows carry their values.
+            values = data.get("recent") or [data["mean"]] * int(min(data["weight"], self.window))
+            self.recent = deque(values, maxlen=self.window)
+            self.count = int(data["count"])
+            if values:
+                arr = np.asarray(values, dtype=float)
+                self.weight, self.mean = float(len(arr)), float(arr.mean())
+                self.m2 = float(((arr - self.mean) ** 2).sum())
+            return
+        self.count = int(data["count"])
+        self.weight = float(data["weight"])
+        self.mean = float(data["mean"])
+        self.m2 = float(data["m2"])
+
+
+class LengthStats:
+    """Length statistics of finished requests, in tokens and in KV blocks of `block_size` tokens."""
+
+    def __init__(self, forgetting: str = "none", window: int = 2048, decay: float = 0.999,
+                 block_size: int | None = None) -> None:
+        self.forgetting, self.window, self.decay = forgetting, window, decay
+        self.block_size = block_size
+        self.prompt_tokens = self._moments()
+        self.output_tokens = self._moments()
+        self.total_tokens = self._moments()
+        self.total_blocks = self._moments()
+
+    def _moments(self) -> Moments:
+        return Moments(forgetting=self.forgetting, window=self.window, decay=self.decay)
+
+    @property
+    def count(self) -> int:
+        return self.total_tokens.count
+
+    def observe(self, prompt_tokens: int, output_tokens: int) -> None:
+        total = prompt_tokens + output_tokens
+        self.prompt_tokens.add(prompt_tokens)
+        self.output_tokens.add(output_tokens)
+        self.total_tokens.add(total)
+        if self.block_size:
+            self.total_blocks.add(math.ceil(total / self.block_size))
+
+    def set_block_size(self, block_size: int) -> None:
+        """Fix the block size; block moments kept for another block size are dropped."""
+        if block_size != self.block_size:
+            self.block_size = block_size
+            self.total_blocks = self._moments()
+
+    def demand_blocks(self, block_size: int) -> tuple[float, float]:
+        """Mean and variance of one request's KV demand (prompt + output) in whole blocks.
+
+        Exact from per-request block counts when they were kept for this block size; otherwise estimated from
+        token moments, assuming the rounding remainder is uniform: mean + (bs-1)/2 tokens, variance + (bs^2-1)/12.
+        """
+        if self.block_size == block_size and self.total_blocks.weight > 0:
+            return self.total_blocks.mean, self.total_blocks.variance
+        mean = (self.total_tokens.mean + (block_size - 1) / 2) / block_size
+        var = (self.total_tokens.variance + (block_size**2 - 1) / 12) / block_size**2
+        return mean, var
+
+    def merge(self, other: LengthStats) -> None:
+        for name in ("prompt_tokens", "output_tokens", "total_tokens"):
+            getattr(self, name).merge(getattr(other, name))
+        if self.block_size == other.block_size:
+            self.total_blocks.merge(other.total_blocks)
+
+    def to_dict(self) -> dict:
+        return {
+            "format_version": STATS_FORMAT_VERSION,
+            "forgetting": self.forgetting, "window": self.window, "decay": self.decay,
+            "block_size": self.block_size,
+            "prompt_tokens": self.prompt_tokens.to_dict(),
+            "output_tokens": self.output_tokens.to_dict(),
+            "total_tokens": self.total_tokens.to_dict(),
+            "total_blocks": self.total_blocks.to_dict(),
+            "summary": self.summary(),
+        }
+
+    def summary(self) -> dict:
+        return {
+            "count": self.count,
+            "prompt_tokens_mean": self.prompt_tokens.mean, "prompt_tokens_std": self.prompt_tokens.std,
+            "output_tokens_mean": self.output_tokens.mean, "output_tokens_std": self.output_tokens.std,
+            "total_tokens_mean": self.total_tokens.mean, "total_tokens_std": self.total_tokens.std,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, forgetting: str | None = None, window: int | None = None,
+                  decay: float | None = None) -> LengthStats:
+        """Rebuild saved statistics; the forgetting settings of the new run win over the saved ones."""
+        if data.get("format_version") != STATS_FORMAT_VERSION:
+            raise ValueError(f"unsupported length-statistics format {data.get('format_version')!r}")
+        stats = cls(forgetting=forgetting or data["forgetting"], window=window or data["window"],
+                    decay=decay or data["decay"], block_size=data.get("block_size"))
+        for name in ("prompt_tokens", "output_tokens", "total_tokens", "total_blocks"):
+            getattr(stats, name).load_dict(data[name])
+        return stats
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically: a crash mid-write leaves the previous file intact."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
+                                         delete=False) as tmp:
+            json.dump(self.to_dict(), tmp, indent=1)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp.name, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, **overrides) -> LengthStats:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls.from_dict(data, **overrides)
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"cannot read length statistics from {path}: {exc}") from exc

@@ -1,0 +1,142 @@
+"""Batch-size policies: one small interface the vLLM adapter calls every step.
+
+A policy answers `batch_cap(state)` (the admission cap for this step), is told of every finished request
+through `observe_finished`, and reports what it holds through `trace_fields` for the per-step trace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rollout.policy.length_stats import LengthStats
+from rollout.policy.memory import clamp_cap, clt_batch_bound, memory_batch_size, overflow_quantile, safety_buffer
+
+
+@dataclass
+class StepState:
+    """What a policy sees of the engine at one scheduling step."""
+
+    num_running: int
+    num_waiting: int
+    kv_capacity_blocks: int
+    block_size: int
+    # Cold-start demand estimate from requests not yet finished, in tokens.
+    pending_prompt_tokens_mean: float = 0.0
+    pending_max_tokens_mean: float = 0.0
+
+
+class StaticPolicy:
+    """A fixed cap, as vLLM's max_num_seqs; still gathers statistics for the next iteration."""
+
+    name = "static"
+
+    def __init__(self, cap: int, max_cap: int, stats: LengthStats | None = None) -> None:
+        self.cap = min(cap, max_cap)
+        self.max_cap = max_cap
+        self.stats = stats or LengthStats()
+
+    def batch_cap(self, state: StepState) -> int:
+        return clamp_cap(self.cap, state.num_running, 1, self.max_cap)
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        self.stats.observe(prompt_tokens, output_tokens)
+
+    def trace_fields(self) -> dict:
+        return {"stats_count": self.stats.count}
+
+
+class MemoryPolicy(StaticPolicy):
+    """Algorithm 1: b_t = floor((eta - L0) / mean demand), L0 refreshed every `update_every` finished requests.
+
+    The cap is recomputed only when requests both wait and run; otherwise the previous cap stands. Until
+    `min_observations` requests have finished (counting a loaded prior), the demand of a request is taken as
+    its prompt plus its max_tokens, with no spread: the worst case, since nothing is known yet.
+    """
+
+    name = "memory"
+
+    def __init__(self, eps_m: float, max_cap: int, min_cap: int = 1, update_every: int = 16,
+                 min_observations: int = 8, stats: LengthStats | None = None) -> None:
+        super().__init__(max_cap, max_cap, stats)
+        self.theta = overflow_quantile(eps_m)
+        self.min_cap = min_cap
+        self.update_every = update_every
+        self.min_observations = min_observations
+        self.safety_buffer_blocks: float | None = None
+        self.finished_since_update = 0
+        self.mean_demand_blocks = math.nan
+        self.std_demand_blocks = math.nan
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        super().observe_finished(prompt_tokens, output_tokens)
+        self.finished_since_update += 1
+
+    def _demand(self, state: StepState) -> tuple[float, float]:
+        if self.stats.count >= self.min_observations:
+            mean, var = self.stats.demand_blocks(state.block_size)
+            return mean, math.sqrt(max(var, 0.0))
+        worst = state.pending_prompt_tokens_mean + state.pending_max_tokens_mean
+        return math.ceil(worst / state.block_size) if worst > 0 else math.nan, 0.0
+
+    def _refresh_due(self) -> bool:
+        return self.safety_buffer_blocks is None or self.finished_since_update >= self.update_every
+
+    def batch_cap(self, state: StepState) -> int:
+        if self.stats.block_size is None:
+            self.stats.set_block_size(state.block_size)
+        # Algorithm 1 keeps b_{t-1} unless requests both wait and run; b_0 is computed at the first step that
+        # has waiting requests, so the very first admission wave is sized too.
+        initialized = self.safety_buffer_blocks is not None
+        if not state.num_waiting or (initialized and not state.num_running):
+            return clamp_cap(self.cap, state.num_running, self.min_cap, self.max_cap)
+        mean, std = self._demand(state)
+        if math.isnan(mean):
+            return clamp_cap(self.cap, state.num_running, self.min_cap, self.max_cap)
+        self.mean_demand_blocks, self.std_demand_blocks = mean, std
+        if self._refresh_due():
+            self.safety_buffer_blocks = safety_buffer(state.kv_capacity_blocks, mean, std, self.theta)
+            self.finished_since_update = 0
+        self.cap = clamp_cap(self._batch_size(state, mean, std), state.num_running, self.min_cap, self.max_cap)
+        return self.cap
+
+    def _batch_size(self, state: StepState, mean: float, std: float) -> float:
+        return memory_batch_size(state.kv_capacity_blocks, self.safety_buffer_blocks, mean)
+
+    def trace_fields(self) -> dict:
+        return {
+            "stats_count": self.stats.count,
+            "safety_buffer_blocks": self.safety_buffer_blocks,
+            "mean_demand_blocks": None if math.isnan(self.mean_demand_blocks) else self.mean_demand_blocks,
+            "std_demand_blocks": None if math.isnan(self.std_demand_blocks) else self.std_demand_blocks,
+        }
+
+
+class CLTPolicy(MemoryPolicy):
+    """The exact CLT closed form, recomputed from the current statistics at every step."""
+
+    name = "memory-clt"
+
+    def _refresh_due(self) -> bool:
+        return True
+
+    def _batch_size(self, state: StepState, mean: float, std: float) -> float:
+        return math.floor(clt_batch_bound(state.kv_capacity_blocks, mean, std, self.theta))
+
+
+POLICIES = {cls.name: cls for cls in (StaticPolicy, MemoryPolicy, CLTPolicy)}
+
+
+def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolicy:
+    """Build a policy from the plain dict form of `PolicyConfig` (what travels in vLLM's additional_config)."""
+    name = settings["name"]
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    max_cap = int(settings["b_max"])
+    if name == "static":
+        return StaticPolicy(int(settings.get("static_cap") or max_cap), max_cap, stats)
+    return POLICIES[name](
+        eps_m=float(settings["eps_m"]), max_cap=max_cap, min_cap=int(settings.get("b_min", 1)),
+        update_every=int(settings.get("update_every", 16)),
+        min_observations=int(settings.get("min_observations", 8)), stats=stats,
+    )

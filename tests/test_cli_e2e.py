@@ -1,0 +1,92 @@
+"""The CLI end to end on the tiny model: complete outputs, a summary, and statistics reused by the next run."""
+
+import json
+import math
+import subprocess
+import sys
+
+import datasets
+import pytest
+
+from rollout.policy import LengthStats, overflow_quantile, safety_buffer
+
+pytestmark = pytest.mark.engine
+
+N = 4
+PROMPTS = [
+    {"id": "p0", "prompt": "What is 3 plus 4?", "answer": "7"},
+    {"id": "p1", "prompt": "Question 12: what is 12 plus 2?", "answer": "14"},
+    {"id": "p2", "prompt": [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "What is 9 plus 9?"}], "answer": "18"},
+    {"id": "p3", "prompt": "The answer is", "answer": "0"},
+    {"id": "p4", "prompt": "Question 7: what is 7 plus 10?", "answer": "17"},
+    {"id": "p5", "prompt": "what is 1 plus 1?", "answer": "2"},
+]
+
+
+def generate(tiny_model, prompt_set, out_dir, *extra):
+    args = [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
+            "data.system_prompt=null", f"sampling.n={N}", "sampling.max_tokens=200", "sampling.logprobs=0",
+            "model.kv_cache_memory_bytes=8388608", "policy.b_max=16", "policy.min_observations=4",
+            "output.progress=false", f"output.dir={out_dir}", *extra]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    prompt_set = root / "prompts.jsonl"
+    prompt_set.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    first = generate(tiny_model, prompt_set, root / "first")
+    second = generate(tiny_model, prompt_set, root / "second", f"output.stats_in={root / 'first' / 'length_stats.json'}")
+    return root, first, second
+
+
+def test_outputs_are_complete(two_runs):
+    root, first, _ = two_runs
+    rows = datasets.load_dataset("json", data_files=str(root / "first" / "samples.jsonl"), split="train").to_list()
+    table = datasets.load_dataset("parquet", data_files=str(root / "first" / "samples.parquet"), split="train")
+    for row, stored in zip(rows, table.to_list()):
+        assert stored.pop("logprobs") == pytest.approx(row.pop("logprobs"), rel=1e-12)
+        assert stored == row
+    rows = datasets.load_dataset("json", data_files=str(root / "first" / "samples.jsonl"), split="train").to_list()
+    assert sorted((r["prompt_id"], r["sample_index"]) for r in rows) == sorted(
+        (p["id"], j) for p in PROMPTS for j in range(N))
+    for r in rows:
+        assert r["completion_tokens"] == len(r["completion_token_ids"]) == len(r["logprobs"])
+        assert 1 <= r["completion_tokens"] <= 200
+        assert r["finish_reason"] in ("stop", "length")
+        assert r["prompt_tokens"] == len(r["prompt_token_ids"])
+        assert all(lp <= 0.0 for lp in r["logprobs"])
+        assert r["answer"] == next(p["answer"] for p in PROMPTS if p["id"] == r["prompt_id"])
+    assert first["num_samples"] == len(PROMPTS) * N
+    assert first["generated_tokens"] == sum(r["completion_tokens"] for r in rows)
+
+
+def test_summary_reports_throughput_caps_and_statistics(two_runs):
+    root, first, _ = two_runs
+    assert first["generated_tokens_per_s"] > 0
+    assert first["preemptions"] >= 0
+    assert first["series"] and first["series"][0]["cap"] >= 1
+    assert first["length_stats"]["count"] == len(PROMPTS) * N
+    assert (root / "first" / "trace.png").stat().st_size > 0
+    assert (root / "first" / "length_stats.json").is_file()
+
+
+def test_second_run_starts_from_saved_statistics(two_runs):
+    root, first, second = two_runs
+    saved = LengthStats.load(root / "first" / "length_stats.json")
+    assert saved.count == len(PROMPTS) * N
+    assert second["first_step_stats_count"] == saved.count
+    assert second["length_stats"]["prior"] == str(root / "first" / "length_stats.json")
+    assert second["length_stats"]["count"] == 2 * saved.count
+    # The second run's first safety buffer is the one the saved statistics give.
+    trace = [json.loads(line) for line in (root / "second" / "trace.jsonl").read_text().splitlines()]
+    header, steps = trace[0], [t for t in trace if "step" in t]
+    mean, var = saved.demand_blocks(header["block_size"])
+    expected = safety_buffer(header["kv_capacity_blocks"], mean, math.sqrt(var), overflow_quantile(0.05))
+    first_buffer = next(s["safety_buffer_blocks"] for s in steps if s.get("safety_buffer_blocks") is not None)
+    assert first_buffer == pytest.approx(expected, abs=1e-3)
+    assert first_buffer > 0

@@ -1,0 +1,81 @@
+"""Bad input to the CLI: one clear error line, exit status 2, before any engine starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "rollout.generate", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def error_line(result):
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: "), result.stderr[-2000:]
+    return lines[-1]
+
+
+def test_help_lists_the_options():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for key in ("policy.eps_m=0.05", "sampling.n=4", "policy.name=memory", "model.path=smollm2-135m-instruct"):
+        assert key in result.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("policy.eps_m=1.5", "policy.eps_m must be in (0, 1), got 1.5"),
+    ("policy.name=nope", "unknown policy 'nope'"),
+])
+def test_bad_config_value(override, message, tmp_path):
+    assert message in error_line(run_cli(override, f"output.dir={tmp_path}/out"))
+
+
+def test_b_min_above_b_max(tmp_path):
+    line = error_line(run_cli("policy.b_min=10", "policy.b_max=4", f"output.dir={tmp_path}/out"))
+    assert "policy.b_min (10) must not exceed policy.b_max (4)" in line
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("broken.jsonl", '{"prompt": "a"}\n{"prompt": \n', "cannot be read"),
+    ("nofield.jsonl", '{"id": 1, "question": "a"}\n', "row 0: missing prompt field 'prompt'"),
+    ("empty.jsonl", '{"id": 1, "prompt": "   "}\n', "row 0: empty prompt"),
+    ("dupe.jsonl", '{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "row 1: duplicate prompt id '1'"),
+    ("long.jsonl", json.dumps({"id": "x", "prompt": "plus " * 3000}) + "\n", "more than the"),
+    ("prompts.csv", "prompt\nhello\n", "unsupported file type '.csv'"),
+])
+def test_bad_prompt_sets(name, content, message, tmp_path, tiny_model):
+    path = write(tmp_path / name, content)
+    line = error_line(run_cli(f"model.path={tiny_model}", f"data.source={path}", "model.max_model_len=512",
+                              f"output.dir={tmp_path}/out"))
+    assert message in line
+    assert str(path) in line
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_missing_prompt_set(tmp_path, tiny_model):
+    line = error_line(run_cli(f"model.path={tiny_model}", f"data.source={tmp_path}/none.jsonl",
+                              f"output.dir={tmp_path}/out"))
+    assert "does not exist" in line
+
+
+def test_missing_model_folder(tmp_path):
+    line = error_line(run_cli(f"model.path={tmp_path}/no-model", f"output.dir={tmp_path}/out"))
+    assert "does not exist" in line
+
+
+def test_existing_outputs_are_not_overwritten(tmp_path, tiny_model):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "samples.jsonl").write_text("precious\n")
+    line = error_line(run_cli(f"model.path={tiny_model}", f"output.dir={out}"))
+    assert "output.overwrite=true" in line
+    assert (out / "samples.jsonl").read_text() == "precious\n"

@@ -1,0 +1,45 @@
+import pytest
+
+from rollout.config import ConfigError, load_config
+
+
+def test_defaults_and_dotlist_overrides():
+    cfg = load_config(["policy.eps_m=0.01", "sampling.n=8", "policy.name=memory-clt"])
+    assert cfg.policy.eps_m == 0.01
+    assert cfg.sampling.n == 8
+    assert cfg.policy.name == "memory-clt"
+    assert cfg.model.path == "smollm2-135m-instruct"  # the embedded default
+
+
+def test_config_file_is_merged(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("policy:\n  b_max: 64\nsampling:\n  max_tokens: 99\n")
+    cfg = load_config(["sampling.max_tokens=7"], str(path))
+    assert cfg.policy.b_max == 64
+    assert cfg.sampling.max_tokens == 7  # the command line wins over the file
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["policy.eps_m=0"], "policy.eps_m must be in (0, 1), got 0"),
+    (["policy.eps_m=1.2"], "policy.eps_m must be in (0, 1), got 1.2"),
+    (["policy.b_min=9", "policy.b_max=8"], "policy.b_min (9) must not exceed policy.b_max (8)"),
+    (["policy.name=fastest"], "policy.name: unknown policy 'fastest'"),
+    (["policy.forgetting=sometimes"], "policy.forgetting must be one of"),
+    (["policy.static_cap=1000"], "policy.static_cap must be in [1, b_max=256], got 1000"),
+    (["sampling.n=0"], "sampling.n must be >= 1, got 0"),
+    (["sampling.max_tokens=-5"], "sampling.max_tokens must be >= 1, got -5"),
+    (["sampling.top_p=0"], "sampling.top_p must be in (0, 1]"),
+    (["policy.colour=red"], "Key 'colour' not in 'PolicyConfig'"),
+    (["sampling.n=many"], "Value 'many' of type 'str' could not be converted to Integer"),
+    (["output.formats=[csv]"], "output.formats must be a non-empty subset"),
+])
+def test_bad_values_fail_with_one_clear_message(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config([], "/nonexistent/run.yaml")
