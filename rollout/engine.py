@@ -110,7 +110,7 @@ class RolloutEngine:
         start = time.monotonic()
         self.llm = LLM(**kwargs)
         self.engine_start_s = time.monotonic() - start
-        self.tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = None if m.engine_kwargs.get("skip_tokenizer_init") else self.llm.get_tokenizer()
         self.header = read_trace_header(self.trace_path)
 
     def _stats_prior(self) -> Path | None:

@@ -43,7 +43,7 @@ class _DynamicBatchMixin:
             stats = LengthStats.load(settings["stats_in"], **options)
         else:
             stats = LengthStats(**options)
-        self.policy = make_policy(settings["policy"], stats)
+        self.batch_policy = make_policy(settings["policy"], stats)
         self._cap_attr = "max_num_active_reqs" if hasattr(self, "max_num_active_reqs") else "max_num_running_reqs"
         self.max_cap = self.scheduler_config.max_num_seqs
         self.kv_capacity_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
@@ -51,10 +51,10 @@ class _DynamicBatchMixin:
         trace_path = Path(settings["trace_path"])
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         self._trace = trace_path.open("a", buffering=1 << 16)
-        self._trace.write(json.dumps({"event": "start", "policy": self.policy.name,
+        self._trace.write(json.dumps({"event": "start", "policy": self.batch_policy.name,
                                       "kv_capacity_blocks": self.kv_capacity_blocks,
                                       "block_size": self.block_size, "max_cap": self.max_cap,
-                                      "cap_attr": self._cap_attr, "stats_count": self.policy.stats.count}) + "\n")
+                                      "cap_attr": self._cap_attr, "stats_count": self.batch_policy.stats.count}) + "\n")
         self._trace.flush()
         self._step = 0
         self._t0 = self._last_flush = time.monotonic()
@@ -77,7 +77,7 @@ class _DynamicBatchMixin:
         self._pending_prompt_tokens -= request.num_prompt_tokens
         self._pending_max_tokens -= request.max_tokens
         self._finished += 1
-        self.policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens)
+        self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens)
         return super()._free_request(request, *args, **kwargs)
 
     def schedule(self, *args, **kwargs):
@@ -88,7 +88,7 @@ class _DynamicBatchMixin:
             pending_prompt_tokens_mean=self._pending_prompt_tokens / max(self._pending, 1),
             pending_max_tokens_mean=self._pending_max_tokens / max(self._pending, 1),
         )
-        cap = min(max(self.policy.batch_cap(state), num_running, 1), self.max_cap)
+        cap = min(max(self.batch_policy.batch_cap(state), num_running, 1), self.max_cap)
         setattr(self, self._cap_attr, cap)
         output = super().schedule(*args, **kwargs)
         self._step += 1
@@ -103,7 +103,7 @@ class _DynamicBatchMixin:
                 "kv_usage": round(self.kv_cache_manager.usage, 4), "preempted": preempted,
                 "scheduled_tokens": output.total_num_scheduled_tokens, "finished": self._finished,
             }
-            for key, value in self.policy.trace_fields().items():
+            for key, value in self.batch_policy.trace_fields().items():
                 if isinstance(value, float):
                     value = None if math.isnan(value) else round(value, 3)
                 record[key] = value
@@ -130,7 +130,7 @@ class _DynamicBatchMixin:
     def _flush(self) -> None:
         self._trace.flush()
         if self.stats_out:
-            self.policy.stats.save(self.stats_out)
+            self.batch_policy.stats.save(self.stats_out)
 
     def shutdown(self) -> None:
         try:
