@@ -39,7 +39,6 @@ class TraceReader:
         self.path = path
         self.offset = path.stat().st_size if path.exists() else 0
         self.records: list[dict] = []
-        self.header: dict | None = None
         self._partial = ""
 
     def poll(self) -> list[dict]:
@@ -56,9 +55,7 @@ class TraceReader:
             if not line:
                 continue
             record = json.loads(line)
-            if record.get("event") == "start":
-                self.header = record
-            else:
+            if record.get("event") != "start":
                 new.append(record)
         self.records.extend(new)
         return new

@@ -48,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from rollout.engine import RolloutEngine
+    from rollout.engine import TRACE_FILE, RolloutEngine
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / TRACE_FILE).unlink(missing_ok=True)  # a replaced run's trace would otherwise be appended to
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
     try:
         engine = RolloutEngine(cfg, out_dir)

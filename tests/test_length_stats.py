@@ -142,3 +142,15 @@ def test_merged_stats_match_single_stream():
     assert first.count == whole.count
     assert first.demand_blocks(16) == pytest.approx(whole.demand_blocks(16))
     assert first.total_tokens.variance == pytest.approx(whole.total_tokens.variance)
+
+
+def test_prior_from_another_block_size_is_estimated_until_complete():
+    prior = LengthStats(block_size=16)
+    for total in range(100, 2100, 20):
+        prior.observe(50, total - 50)
+    prior.set_block_size(128)  # the new engine's block size: block moments restart
+    estimated = prior.demand_blocks(128)
+    assert estimated[0] == pytest.approx((prior.total_tokens.mean + 63.5) / 128)
+    prior.observe(50, 950)  # one exact observation does not replace a hundred estimated ones
+    assert prior.demand_blocks(128) != (8.0, 0.0)
+    assert prior.demand_blocks(128)[0] == pytest.approx((prior.total_tokens.mean + 63.5) / 128)

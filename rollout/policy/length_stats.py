@@ -148,10 +148,10 @@ class LengthStats:
     def demand_blocks(self, block_size: int) -> tuple[float, float]:
         """Mean and variance of one request's KV demand (prompt + output) in whole blocks.
 
-        Exact from per-request block counts when they were kept for this block size; otherwise estimated from
+        Exact from per-request block counts when every observation was kept for this block size; otherwise from
         token moments, assuming the rounding remainder is uniform: mean + (bs-1)/2 tokens, variance + (bs^2-1)/12.
         """
-        if self.block_size == block_size and self.total_blocks.weight > 0:
+        if self.block_size == block_size and 0 < self.total_blocks.count == self.total_tokens.count:
             return self.total_blocks.mean, self.total_blocks.variance
         mean = (self.total_tokens.mean + (block_size - 1) / 2) / block_size
         var = (self.total_tokens.variance + (block_size**2 - 1) / 12) / block_size**2

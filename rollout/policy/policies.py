@@ -83,8 +83,7 @@ class MemoryPolicy(StaticPolicy):
         return self.safety_buffer_blocks is None or self.finished_since_update >= self.update_every
 
     def batch_cap(self, state: StepState) -> int:
-        if self.stats.block_size is None:
-            self.stats.set_block_size(state.block_size)
+        self.stats.set_block_size(state.block_size)
         # Algorithm 1 keeps b_{t-1} unless requests both wait and run; b_0 is computed at the first step that
         # has waiting requests, so the very first admission wave is sized too.
         initialized = self.safety_buffer_blocks is not None
