@@ -20,7 +20,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(["data.num_prompts=16", "sampling.max_tokens=256", "output.dir=runs/iterations",
                        "output.stats_in=null", *argv])
     with RolloutEngine(cfg, cfg.output.dir) as engine:
-        prompts = load_prompts(cfg.data, engine.tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
+        prompts, _ = load_prompts(cfg.data, engine.tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
         print("iter  tok/s   preempt  len_mean  len_p90  cap_first  cap_mean  L0_first(tokens)  reward")
         for iteration in range(3):
             s = engine.generate(prompts, progress=False).summary

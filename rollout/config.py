@@ -52,6 +52,7 @@ class DataConfig:
     answer_field: Optional[str] = "answer"
     system_prompt: Optional[str] = None
     apply_chat_template: bool = True
+    long_prompts: str = "fail"  # prompts longer than the context: fail the run, or skip them (listed in the summary)
 
 
 @dataclass
@@ -87,7 +88,8 @@ class OutputConfig:
     # stats_out file if it exists). stats_out: None means <dir>/length_stats.json.
     stats_in: Optional[str] = "auto"
     stats_out: Optional[str] = None
-    overwrite: bool = False
+    overwrite: bool = False  # replace a finished or partial run in output.dir
+    force: bool = False  # resume a partial run even though its settings or prompts changed
     progress: bool = True
 
 
@@ -153,6 +155,8 @@ def validate(cfg: RunConfig) -> None:
          f"model.kv_cache_memory_bytes must be > 0, got {m.kv_cache_memory_bytes}")
     need(m.num_gpu_blocks_override is None or m.num_gpu_blocks_override >= 2,
          f"model.num_gpu_blocks_override must be >= 2, got {m.num_gpu_blocks_override}")
+    need(cfg.data.long_prompts in ("fail", "skip"),
+         f"data.long_prompts must be 'fail' or 'skip', got {cfg.data.long_prompts!r}")
     need(cfg.data.num_prompts is None or cfg.data.num_prompts >= 1,
          f"data.num_prompts must be >= 1, got {cfg.data.num_prompts}")
     need(set(cfg.output.formats) <= {"jsonl", "parquet"} and cfg.output.formats,

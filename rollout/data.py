@@ -4,6 +4,7 @@ fails fast with one message naming the file and row."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,33 @@ def _reasoning_gym_rows(name: str, size: int, seed: int) -> list[dict]:
     return rows
 
 
+def _check_json_file(source: Path) -> None:
+    """Name the first bad line of a JSON(L) file: datasets' own errors give neither line nor cause."""
+    data = source.read_bytes()
+    if source.suffix.lower() == ".json":
+        try:
+            json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            line = data[:exc.start].count(b"\n") + 1
+            raise DataError(f"{source} line {line}: not valid UTF-8") from exc
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{source} line {exc.lineno}: invalid JSON ({exc.msg})") from exc
+        return
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{source} line {number}: not valid UTF-8") from exc
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{source} line {number}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(row, dict):
+            raise DataError(f"{source} line {number}: expected a JSON object, got {type(row).__name__}")
+
+
 def _file_rows(path: str) -> list[dict]:
     import datasets
-    from datasets.exceptions import DatasetGenerationError
 
     source = Path(path)
     if not source.exists():
@@ -74,12 +99,17 @@ def _file_rows(path: str) -> list[dict]:
             if builder is None:
                 raise DataError(f"prompt set {path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet "
                                 "or a saved dataset folder)")
+            if builder == "json":
+                _check_json_file(source)
+            if source.stat().st_size == 0:
+                raise DataError(f"prompt set {path} is empty")
             loaded = datasets.load_dataset(builder, data_files=str(source), split="train")
     except DataError:
         raise
-    except (DatasetGenerationError, ValueError, OSError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - datasets and pyarrow raise many types; one message names the file
         cause = exc.__cause__ or exc
-        raise DataError(f"prompt set {path} cannot be read: {str(cause).splitlines()[0]}") from exc
+        reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        raise DataError(f"prompt set {path} cannot be read: {reason}") from exc
     return loaded.to_list()
 
 
@@ -92,12 +122,16 @@ def load_rows(source: str, num_prompts: int | None, seed: int) -> list[dict]:
 
 def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_field: str, id_field: str | None,
                     answer_field: str | None, system_prompt: str | None, apply_chat_template: bool,
-                    max_prompt_tokens: int) -> list[Prompt]:
-    """Render and tokenize every row; the first unusable one raises a DataError naming it."""
+                    max_prompt_tokens: int, long_prompts: str = "fail") -> tuple[list[Prompt], list[dict]]:
+    """Render and tokenize every row; the first unusable one raises a DataError naming it.
+
+    Prompts longer than max_prompt_tokens fail the set (long_prompts="fail") or are left out and returned
+    as the second value (long_prompts="skip").
+    """
     if not rows:
         raise DataError(f"prompt set {source} is empty")
     use_template = apply_chat_template and getattr(tokenizer, "chat_template", None)
-    prompts, seen = [], set()
+    prompts, skipped, seen = [], [], set()
     for index, row in enumerate(rows):
         where = f"{source}, row {index}"
         if prompt_field not in row or row[prompt_field] is None:
@@ -125,18 +159,24 @@ def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_fie
             text = "\n\n".join(m["content"] for m in messages)
             token_ids = tokenizer(text)["input_ids"]
         if len(token_ids) > max_prompt_tokens:
+            if long_prompts == "skip":
+                skipped.append({"prompt_id": prompt_id, "row": index, "prompt_tokens": len(token_ids)})
+                continue
             raise DataError(f"{where}: prompt {prompt_id!r} has {len(token_ids)} tokens, more than the "
-                            f"{max_prompt_tokens} the model's context leaves (model.max_model_len)")
+                            f"{max_prompt_tokens} the model's context leaves (model.max_model_len; "
+                            "data.long_prompts=skip leaves such prompts out)")
         answer = row.get(answer_field) if answer_field else None
         prompts.append(Prompt(prompt_id=prompt_id, text=text, token_ids=list(token_ids),
                               answer=None if answer is None else str(answer), score=row.get("score")))
-    return prompts
+    if not prompts:
+        raise DataError(f"prompt set {source}: every prompt is longer than {max_prompt_tokens} tokens")
+    return prompts, skipped
 
 
-def load_prompts(data, tokenizer: Any, max_prompt_tokens: int) -> list[Prompt]:
-    """The prompt set a `DataConfig` describes, rendered and tokenized."""
+def load_prompts(data, tokenizer: Any, max_prompt_tokens: int) -> tuple[list[Prompt], list[dict]]:
+    """The prompt set a `DataConfig` describes, rendered and tokenized, and the prompts skipped as too long."""
     return prepare_prompts(
         load_rows(data.source, data.num_prompts, data.seed), tokenizer, source=data.source,
         prompt_field=data.prompt_field, id_field=data.id_field, answer_field=data.answer_field,
         system_prompt=data.system_prompt, apply_chat_template=data.apply_chat_template,
-        max_prompt_tokens=max_prompt_tokens)
+        max_prompt_tokens=max_prompt_tokens, long_prompts=data.long_prompts)

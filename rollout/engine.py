@@ -134,83 +134,108 @@ class RolloutEngine:
                               ignore_eos=s.ignore_eos,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def generate(self, prompts: list[Prompt], progress: bool = True,
-                 max_tokens: list[int] | None = None) -> GenerationResult:
-        """n samples for every prompt. `max_tokens` (one per prompt) overrides the configured limit."""
+    def generate(self, prompts: list[Prompt], progress: bool = True, max_tokens: list[int] | None = None,
+                 done: dict | None = None, sink=None, sink_every_s: float = 0.5) -> GenerationResult:
+        """n samples for every prompt.
+
+        max_tokens: one limit per prompt, over the configured one. done: samples already durable, keyed by
+        (prompt id, sample index); they are not generated again. sink(records): called with finished samples
+        in batches (at least every `sink_every_s` seconds and at the end, also on Ctrl-C) to make them durable.
+        """
         from tqdm import tqdm
 
         n = self.cfg.sampling.n
+        done = done or {}
         engine = self.llm.llm_engine
         trace = TraceReader(self.trace_path)
         preempted_before = self._counter("vllm:num_preemptions")
         generated_before = self._counter("vllm:generation_tokens")
         start = time.monotonic()
+        submitted = []
         for index, prompt in enumerate(prompts):
             for sample in range(n):
+                if (prompt.prompt_id, sample) in done:
+                    continue
                 params = self.sampling_params(self.cfg.sampling.seed + index * n + sample)
                 if max_tokens is not None:
                     params.max_tokens = max_tokens[index]
                 engine.add_request(f"{index}:{sample}", {"prompt_token_ids": prompt.token_ids}, params)
-        outputs, last_poll = {}, 0.0
-        bar = tqdm(total=len(prompts) * n, unit="sample", disable=not progress, dynamic_ncols=True)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = out
-                    bar.update(1)
-            now = time.monotonic()
-            if progress and now - last_poll > 0.5:
-                last_poll = now
-                trace.poll()
-                latest = trace.records[-1] if trace.records else {}
-                generated = self._counter("vllm:generation_tokens") - generated_before
-                bar.set_postfix(tok_s=f"{generated / max(now - start, 1e-9):.0f}", cap=latest.get("cap"),
-                                run=latest.get("running"), kv=f"{latest.get('kv_usage', 0):.0%}", refresh=False)
+                submitted.append(f"{index}:{sample}")
+        new, batch, last_poll, last_sink = [], [], 0.0, time.monotonic()
+        bar = tqdm(total=len(prompts) * n, initial=len(done), unit="sample", disable=not progress,
+                   dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        index, sample = map(int, out.request_id.split(":"))
+                        record = self._record(prompts[index], index, sample, out)
+                        new.append(record)
+                        batch.append(record)
+                        bar.update(1)
+                now = time.monotonic()
+                if sink and batch and now - last_sink > sink_every_s:
+                    sink(batch)
+                    batch, last_sink = [], now
+                if progress and now - last_poll > 0.5:
+                    last_poll = now
+                    trace.poll()
+                    latest = trace.records[-1] if trace.records else {}
+                    generated = self._counter("vllm:generation_tokens") - generated_before
+                    bar.set_postfix(tok_s=f"{generated / max(now - start, 1e-9):.0f}", cap=latest.get("cap"),
+                                    run=latest.get("running"), kv=f"{latest.get('kv_usage', 0):.0%}",
+                                    refresh=False)
+        except KeyboardInterrupt:
+            finished = {f"{r['group_index']}:{r['sample_index']}" for r in new}
+            engine.abort_request([rid for rid in submitted if rid not in finished])
+            raise
+        finally:
+            if sink and batch:
+                sink(batch)
+            bar.close()
         wall = time.monotonic() - start
-        bar.close()
         trace.poll()
-        records = self._records(prompts, outputs)
-        summary = self._summary(records, trace, wall, self._counter("vllm:num_preemptions") - preempted_before)
+        records = sorted([*done.values(), *new], key=lambda r: (r["group_index"], r["sample_index"]))
+        summary = self._summary(records, new, trace, wall,
+                                self._counter("vllm:num_preemptions") - preempted_before)
         return GenerationResult(records=records, summary=summary, trace=trace.records)
 
-    def _records(self, prompts: list[Prompt], outputs: dict) -> list[dict]:
-        n = self.cfg.sampling.n
-        records = []
-        for index, prompt in enumerate(prompts):
-            for sample in range(n):
-                out = outputs[f"{index}:{sample}"]
-                completion = out.outputs[0]
-                text = completion.text if completion.text is not None else ""
-                record = {
-                    "prompt_id": prompt.prompt_id, "sample_index": sample, "group_index": index,
-                    "prompt": prompt.text, "completion": text,
-                    "prompt_token_ids": list(prompt.token_ids), "completion_token_ids": list(completion.token_ids),
-                    "prompt_tokens": len(prompt.token_ids), "completion_tokens": len(completion.token_ids),
-                    "finish_reason": completion.finish_reason,
-                    "num_preemptions": getattr(out.metrics, "num_preemptions", None) if out.metrics else None,
-                }
-                if self.cfg.sampling.logprobs is not None:
-                    record["logprobs"] = [float(step[token].logprob) for step, token in
-                                          zip(completion.logprobs or [], completion.token_ids)]
-                if prompt.answer is not None:
-                    record["answer"] = prompt.answer
-                if prompt.score is not None:
-                    record["reward"] = prompt.score(text)
-                records.append(record)
-        return records
+    def _record(self, prompt: Prompt, index: int, sample: int, out) -> dict:
+        completion = out.outputs[0]
+        text = completion.text if completion.text is not None else ""
+        record = {
+            "prompt_id": prompt.prompt_id, "sample_index": sample, "group_index": index,
+            "prompt": prompt.text, "completion": text,
+            "prompt_token_ids": list(prompt.token_ids), "completion_token_ids": list(completion.token_ids),
+            "prompt_tokens": len(prompt.token_ids), "completion_tokens": len(completion.token_ids),
+            "finish_reason": completion.finish_reason,
+            "num_preemptions": getattr(out.metrics, "num_preemptions", None) if out.metrics else None,
+        }
+        if self.cfg.sampling.logprobs is not None:
+            record["logprobs"] = [float(step[token].logprob) for step, token in
+                                  zip(completion.logprobs or [], completion.token_ids)]
+        if prompt.answer is not None:
+            record["answer"] = prompt.answer
+        if prompt.score is not None:
+            record["reward"] = prompt.score(text)
+        return record
 
-    def _summary(self, records: list[dict], trace: TraceReader, wall: float, preemptions: float) -> dict:
+    def _summary(self, records: list[dict], new: list[dict], trace: TraceReader, wall: float,
+                 preemptions: float) -> dict:
+        """Lengths, finish reasons and rewards over the whole set; throughput over what this call generated."""
         lengths = np.array([r["completion_tokens"] for r in records])
-        generated = int(lengths.sum())
-        prompt_tokens = sum(r["prompt_tokens"] for r in records)
+        generated = int(sum(r["completion_tokens"] for r in new))
+        prompt_tokens = sum(r["prompt_tokens"] for r in new)
         steps = trace.records
         header = self.header
         block_size = header.get("block_size", 0)
         summary = {
             "policy": self.cfg.policy.name, "model": self.cfg.model.path, "num_prompts": len(records) // max(
                 self.cfg.sampling.n, 1), "samples_per_prompt": self.cfg.sampling.n, "num_samples": len(records),
+            "samples_generated": len(new), "samples_resumed": len(records) - len(new),
             "engine_start_s": round(self.engine_start_s, 2), "wall_time_s": round(wall, 3),
             "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+            "completion_tokens_total": int(lengths.sum()),
             "generated_tokens_per_s": round(generated / wall, 2) if wall > 0 else None,
             "completion_tokens": {"mean": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),
                                   "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max())},

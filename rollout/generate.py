@@ -1,74 +1,99 @@
-"""python -m rollout.generate [--config FILE] [key=value ...]: n samples per prompt with dynamic batching."""
+"""python -m rollout.generate [--config FILE] [key=value ...]: n samples per prompt with dynamic batching.
+
+Restarting a killed or interrupted run with the same command resumes it (see rollout/store.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
-from rollout.config import ConfigError, describe_options, load_config, to_yaml
+from rollout.config import ConfigError, RunConfig, describe_options, load_config, to_yaml
 from rollout.data import DataError, load_prompts
 from rollout.models import ModelError, resolve_model
-from rollout.report import OUTPUT_NAMES, SUMMARY_FILE, plot_trace, write_samples, write_summary
+from rollout.store import SampleStore, StoreError, fingerprint
 
-
-class RunError(RuntimeError):
-    """The run cannot start as configured."""
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m rollout.generate", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Generate n samples per prompt with vLLM, the batch size chosen every step by a policy.",
+        description="Generate n samples per prompt with vLLM, the batch size chosen every step by a policy. "
+                    "Run the same command again to resume a killed run.",
         epilog="options (override as key=value):\n" + describe_options())
     parser.add_argument("--config", help="a YAML file merged over the defaults")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. policy.eps_m=0.01 sampling.n=8")
     return parser.parse_args(argv)
 
 
-def check_output_dir(out_dir: Path, overwrite: bool) -> None:
-    existing = [name for name in [*OUTPUT_NAMES.values(), SUMMARY_FILE] if (out_dir / name).exists()]
-    if existing and not overwrite:
-        raise RunError(f"{out_dir} already holds {', '.join(existing)}; pass output.overwrite=true to replace them")
+def output_settings(cfg: RunConfig) -> dict:
+    """What decides the samples: a resumed run must match it (engine capacity knobs may change)."""
+    m = cfg.model
+    return {"model": {"path": m.path, "dtype": m.dtype, "max_model_len": m.max_model_len},
+            "data": asdict(cfg.data), "sampling": asdict(cfg.sampling)}
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.update(OFFLINE)  # no network at run time: models and data must be local
     args = parse_args(argv)
     try:
         cfg = load_config(args.overrides, args.config)
-        out_dir = Path(cfg.output.dir)
-        check_output_dir(out_dir, cfg.output.overwrite)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path))
-        prompts = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
-    except (ConfigError, DataError, ModelError, RunError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        prompts, skipped = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
+        out_dir = Path(cfg.output.dir)
+        store = SampleStore(out_dir, fingerprint(output_settings(cfg), prompts), overwrite=cfg.output.overwrite,
+                            force=cfg.output.force)
+        done = store.open()
+    except (ConfigError, DataError, ModelError, StoreError, OSError) as exc:
+        return fail(str(exc))
 
     from rollout.engine import TRACE_FILE, RolloutEngine
+    from rollout.report import plot_trace
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / TRACE_FILE).unlink(missing_ok=True)  # a replaced run's trace would otherwise be appended to
+    order = [(p.prompt_id, j) for p in prompts for j in range(cfg.sampling.n)]
+    for item in skipped:
+        print(f"warning: skipped prompt {item['prompt_id']!r} (row {item['row']}): {item['prompt_tokens']} tokens "
+              f"do not fit model.max_model_len={cfg.model.max_model_len}", file=sys.stderr)
+    if done:
+        print(f"resuming: {len(done)} of {len(order)} samples already in {store.samples_path}", file=sys.stderr)
+    else:
+        (out_dir / TRACE_FILE).unlink(missing_ok=True)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
     try:
-        engine = RolloutEngine(cfg, out_dir)
+        with RolloutEngine(cfg, out_dir) as engine:
+            result = engine.generate(prompts, progress=cfg.output.progress, done=done, sink=store.append)
     except (FileNotFoundError, ModelError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    with engine:
-        result = engine.generate(prompts, progress=cfg.output.progress)
-    result.summary["outputs"] = write_samples(result.records, out_dir, list(cfg.output.formats))
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        store.close()
+        print(f"\ninterrupted: {len(store.done)} of {len(order)} samples are safe in {store.samples_path}; "
+              "run the same command again to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    summary = result.summary
+    summary["skipped_prompts"] = skipped
+    summary["outputs"] = store.finalize(order, list(cfg.output.formats))
     plot = plot_trace(result.trace, out_dir / "trace.png", f"{cfg.policy.name}: cap, running, KV use")
-    result.summary["plot"] = str(plot) if plot else None
-    write_summary(result.summary, out_dir)
-    s = result.summary
-    line = (f"{s['num_samples']} samples, {s['generated_tokens']} tokens in {s['wall_time_s']:.1f} s: "
-            f"{s['generated_tokens_per_s']:.1f} tok/s, {s['preemptions']} preemptions, policy {s['policy']}")
-    if "reward_mean" in s:
-        line += f", reward {s['reward_mean']:.3f}"
+    summary["plot"] = str(plot) if plot else None
+    store.write_summary(summary)
+    line = (f"{summary['num_samples']} samples ({summary['samples_generated']} generated now), "
+            f"{summary['generated_tokens']} tokens in {summary['wall_time_s']:.1f} s: "
+            f"{summary['generated_tokens_per_s'] or 0:.1f} tok/s, {summary['preemptions']} preemptions, "
+            f"policy {summary['policy']}")
+    if "reward_mean" in summary:
+        line += f", reward {summary['reward_mean']:.3f}"
     print(line)
     print(f"outputs in {out_dir}")
     return 0

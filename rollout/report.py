@@ -1,43 +1,10 @@
-"""Writing a run's results: samples (JSONL, parquet) through `datasets`, the summary, and a trace plot."""
+"""A run's trace as a plot: the cap, running batch and KV use over time."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-OUTPUT_NAMES = {"jsonl": "samples.jsonl", "parquet": "samples.parquet"}
-SUMMARY_FILE = "summary.json"
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def write_samples(records: list[dict], out_dir: Path, formats: list[str]) -> dict[str, str]:
-    import datasets
-
-    datasets.disable_progress_bars()
-    table = datasets.Dataset.from_list(records)
-    paths = {}
-    for fmt in formats:
-        path = out_dir / OUTPUT_NAMES[fmt]
-        if fmt == "jsonl":
-            _atomic(path, lambda p: table.to_json(str(p), lines=True, force_ascii=False,
-                                                       double_precision=15))
-        else:
-            _atomic(path, lambda p: table.to_parquet(str(p)))
-        paths[fmt] = str(path)
-    return paths
-
-
-def write_summary(summary: dict, out_dir: Path) -> Path:
-    path = out_dir / SUMMARY_FILE
-    _atomic(path, lambda p: p.write_text(json.dumps(summary, indent=1, default=str)))
-    return path
-
+from rollout.store import atomic_write
 
 def plot_trace(trace: list[dict], path: Path, title: str) -> Path | None:
     """Cap, running batch and KV use over the run's steps."""
@@ -64,6 +31,6 @@ def plot_trace(trace: list[dict], path: Path, title: str) -> Path | None:
     ax.legend(lines[0] + kv_lines[0], lines[1] + kv_lines[1], loc="upper right", fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
-    _atomic(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+    atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
     plt.close(fig)
     return path

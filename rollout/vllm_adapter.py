@@ -20,7 +20,7 @@ from pathlib import Path
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from rollout.policy import LengthStats, StepState, make_policy
+from rollout.policy import FallbackPolicy, LengthStats, StepState, make_policy
 
 SETTINGS_KEY = "rollout"
 
@@ -43,9 +43,10 @@ class _DynamicBatchMixin:
             stats = LengthStats.load(settings["stats_in"], **options)
         else:
             stats = LengthStats(**options)
-        self.batch_policy = make_policy(settings["policy"], stats)
-        self._cap_attr = "max_num_active_reqs" if hasattr(self, "max_num_active_reqs") else "max_num_running_reqs"
         self.max_cap = self.scheduler_config.max_num_seqs
+        static_cap = int(settings["policy"].get("static_cap") or self.max_cap)
+        self.batch_policy = FallbackPolicy(make_policy(settings["policy"], stats), min(static_cap, self.max_cap))
+        self._cap_attr = "max_num_active_reqs" if hasattr(self, "max_num_active_reqs") else "max_num_running_reqs"
         self.kv_capacity_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
         self.stats_out = settings.get("stats_out")
         trace_path = Path(settings["trace_path"])

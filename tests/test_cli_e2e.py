@@ -22,12 +22,14 @@ PROMPTS = [
     {"id": "p4", "prompt": "Question 7: what is 7 plus 10?", "answer": "17"},
     {"id": "p5", "prompt": "what is 1 plus 1?", "answer": "2"},
 ]
+TOO_LONG = {"id": "long", "prompt": "plus " * 1500, "answer": "0"}  # left out: data.long_prompts=skip
 
 
 def generate(tiny_model, prompt_set, out_dir, *extra):
     args = [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
             "data.system_prompt=null", f"sampling.n={N}", "sampling.max_tokens=200", "sampling.logprobs=0",
-            "model.kv_cache_memory_bytes=8388608", "policy.b_max=16", "policy.min_observations=4",
+            "model.kv_cache_memory_bytes=8388608", "model.max_model_len=1024", "data.long_prompts=skip",
+            "policy.b_max=16", "policy.min_observations=4",
             "output.progress=false", f"output.dir={out_dir}", *extra]
     result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -38,7 +40,7 @@ def generate(tiny_model, prompt_set, out_dir, *extra):
 def two_runs(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     prompt_set = root / "prompts.jsonl"
-    prompt_set.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    prompt_set.write_text("".join(json.dumps(p) + "\n" for p in [*PROMPTS[:3], TOO_LONG, *PROMPTS[3:]]))
     first = generate(tiny_model, prompt_set, root / "first")
     second = generate(tiny_model, prompt_set, root / "second", f"output.stats_in={root / 'first' / 'length_stats.json'}")
     return root, first, second
@@ -67,6 +69,8 @@ def test_outputs_are_complete(two_runs):
 
 def test_summary_reports_throughput_caps_and_statistics(two_runs):
     root, first, _ = two_runs
+    assert [s["prompt_id"] for s in first["skipped_prompts"]] == ["long"]
+    assert first["skipped_prompts"][0]["row"] == 3
     assert first["generated_tokens_per_s"] > 0
     assert first["preemptions"] >= 0
     assert first["series"] and first["series"][0]["cap"] >= 1

@@ -39,18 +39,25 @@ def test_b_min_above_b_max(tmp_path):
     assert "policy.b_min (10) must not exceed policy.b_max (4)" in line
 
 
-def write(path, text):
-    path.write_text(text)
+def write(path, content):
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
     return path
 
 
 @pytest.mark.parametrize("name, content, message", [
-    ("broken.jsonl", '{"prompt": "a"}\n{"prompt": \n', "cannot be read"),
+    ("broken.jsonl", '{"prompt": "a"}\n{"prompt": \n', "line 2: invalid JSON"),
+    ("notobject.jsonl", '{"prompt": "a"}\n[1, 2]\n', "line 2: expected a JSON object, got list"),
+    ("nothing.jsonl", "", "is empty"),
+    ("broken.json", '[{"prompt": "a"},\n {"prompt": }]', "line 2: invalid JSON"),
     ("nofield.jsonl", '{"id": 1, "question": "a"}\n', "row 0: missing prompt field 'prompt'"),
     ("empty.jsonl", '{"id": 1, "prompt": "   "}\n', "row 0: empty prompt"),
     ("dupe.jsonl", '{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "row 1: duplicate prompt id '1'"),
     ("long.jsonl", json.dumps({"id": "x", "prompt": "plus " * 3000}) + "\n", "more than the"),
     ("prompts.csv", "prompt\nhello\n", "unsupported file type '.csv'"),
+    ("latin1.jsonl", b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "line 2: not valid UTF-8"),
 ])
 def test_bad_prompt_sets(name, content, message, tmp_path, tiny_model):
     path = write(tmp_path / name, content)
@@ -79,3 +86,17 @@ def test_existing_outputs_are_not_overwritten(tmp_path, tiny_model):
     line = error_line(run_cli(f"model.path={tiny_model}", f"output.dir={out}"))
     assert "output.overwrite=true" in line
     assert (out / "samples.jsonl").read_text() == "precious\n"
+
+
+def test_long_prompts_can_be_skipped(tmp_path, tiny_model):
+    """data.long_prompts=skip leaves over-long prompts out with a warning; here every prompt is too long, so
+    the run still stops, naming the reason, before any engine starts."""
+    path = write(tmp_path / "long.jsonl", json.dumps({"id": "x", "prompt": "plus " * 3000}) + "\n")
+    line = error_line(run_cli(f"model.path={tiny_model}", f"data.source={path}", "model.max_model_len=512",
+                              "data.long_prompts=skip", f"output.dir={tmp_path}/out"))
+    assert "every prompt is longer than 511 tokens" in line
+
+
+def test_bad_long_prompts_value(tmp_path):
+    line = error_line(run_cli("data.long_prompts=truncate", f"output.dir={tmp_path}/out"))
+    assert "data.long_prompts must be 'fail' or 'skip'" in line

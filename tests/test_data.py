@@ -52,9 +52,10 @@ def test_chat_template_and_field_names(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     rows = [{"qid": "a", "question": "what is 1 plus 1?", "gold": "2"},
             {"qid": "b", "question": [{"role": "user", "content": "hi"}], "gold": "3"}]
-    prompts = prepare_prompts(rows, tokenizer, source="mem", prompt_field="question", id_field="qid",
+    prompts, skipped = prepare_prompts(rows, tokenizer, source="mem", prompt_field="question", id_field="qid",
                               answer_field="gold", system_prompt="Be brief.", apply_chat_template=True,
                               max_prompt_tokens=1000)
+    assert skipped == []
     assert [p.prompt_id for p in prompts] == ["a", "b"]
     assert [p.answer for p in prompts] == ["2", "3"]
     assert prompts[0].text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nwhat is 1 plus 1?"

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from rollout.policy import (CLTPolicy, LengthStats, MemoryPolicy, StaticPolicy, StepState, clamp_cap,
+from rollout.policy import (CLTPolicy, FallbackPolicy, LengthStats, MemoryPolicy, StaticPolicy, StepState, clamp_cap,
                             clt_batch_bound, make_policy, memory_batch_size, overflow_quantile, safety_buffer)
 
 capacity = st.floats(min_value=1.0, max_value=1e6)
@@ -152,3 +152,41 @@ def test_static_policy_caps_at_its_value():
 def test_unknown_policy_rejected():
     with pytest.raises(ValueError, match="unknown policy 'sla-magic'"):
         make_policy({"name": "sla-magic", "b_max": 8})
+
+
+class BrokenPolicy(MemoryPolicy):
+    """A policy with a bug that shows only once statistics arrive."""
+
+    def batch_cap(self, state):
+        if self.stats.count >= 3:
+            raise ZeroDivisionError("bug in the policy")
+        return super().batch_cap(state)
+
+
+def test_policy_failure_falls_back_to_static_cap_with_a_warning(caplog):
+    guarded = FallbackPolicy(BrokenPolicy(eps_m=0.05, max_cap=128), fallback_cap=96)
+    assert guarded.batch_cap(state(running=1)) == 1000 // 32
+    for length in (10, 20, 30):
+        guarded.observe_finished(5, length)
+    with caplog.at_level("WARNING", logger="rollout"):
+        assert guarded.batch_cap(state(running=4)) == 96
+    assert "policy memory failed (ZeroDivisionError: bug in the policy)" in caplog.text
+    assert guarded.trace_fields()["policy_error"] == "ZeroDivisionError: bug in the policy"
+    assert guarded.stats.count == 3  # the statistics survive the switch
+    guarded.observe_finished(5, 40)
+    assert guarded.stats.count == 4
+    assert guarded.batch_cap(state(running=120)) == 120  # the static cap still never evicts
+
+
+def test_kv_cache_smaller_than_one_request():
+    policy = MemoryPolicy(eps_m=0.05, max_cap=64, min_observations=1)
+    policy.observe_finished(4000, 4000)
+    assert policy.batch_cap(state(running=0, kv=3)) == 1  # b_min: one request may still run
+    assert policy.batch_cap(state(running=1, kv=3)) == 1
+
+
+def test_single_request_and_empty_statistics():
+    policy = CLTPolicy(eps_m=0.05, max_cap=64, min_observations=0)
+    assert 1 <= policy.batch_cap(state(running=0, waiting=1)) <= 64
+    policy.observe_finished(7, 0)
+    assert 1 <= policy.batch_cap(state(running=1, waiting=1)) <= 64

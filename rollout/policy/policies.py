@@ -6,6 +6,7 @@ through `observe_finished`, and reports what it holds through `trace_fields` for
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -121,6 +122,49 @@ class CLTPolicy(MemoryPolicy):
 
     def _batch_size(self, state: StepState, mean: float, std: float) -> float:
         return math.floor(clt_batch_bound(state.kv_capacity_blocks, mean, std, self.theta))
+
+
+class FallbackPolicy:
+    """Runs a policy; if it ever raises, warns once and continues with a static cap (over the same statistics)
+    for the rest of the run, so a policy bug costs throughput, never the rollout."""
+
+    def __init__(self, policy: StaticPolicy, fallback_cap: int) -> None:
+        self.policy = policy
+        self.fallback_cap = fallback_cap
+        self.error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def stats(self) -> LengthStats:
+        return self.policy.stats
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        logging.getLogger("rollout").warning("policy %s failed (%s); continuing with a static cap of %d",
+                                             self.policy.name, self.error, self.fallback_cap)
+        self.policy = StaticPolicy(self.fallback_cap, self.policy.max_cap, self.policy.stats)
+
+    def batch_cap(self, state: StepState) -> int:
+        try:
+            return self.policy.batch_cap(state)
+        except Exception as exc:  # noqa: BLE001 - any policy failure degrades to the static cap
+            self._fail(exc)
+            return self.policy.batch_cap(state)
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        try:
+            self.policy.observe_finished(prompt_tokens, output_tokens)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def trace_fields(self) -> dict:
+        fields = self.policy.trace_fields()
+        if self.error:
+            fields["policy_error"] = self.error
+        return fields
 
 
 POLICIES = {cls.name: cls for cls in (StaticPolicy, MemoryPolicy, CLTPolicy)}

@@ -1,0 +1,163 @@
+"""The output folder of a run, made so that no work is lost: a manifest that fingerprints what is being
+generated, samples appended to samples.jsonl as they finish (flushed and fsynced in batches), and, once every
+sample exists, the final files (samples.jsonl sorted, samples.parquet) replaced atomically.
+
+A run killed at any moment and started again with the same command finds the manifest, keeps every complete
+line, drops a torn last line, and generates only what is missing. A changed configuration or prompt set is
+refused unless forced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+MANIFEST_FILE = "manifest.json"
+SAMPLES_FILE = "samples.jsonl"
+PARQUET_FILE = "samples.parquet"
+SUMMARY_FILE = "summary.json"
+MANIFEST_VERSION = 1
+
+
+class StoreError(RuntimeError):
+    """The output folder cannot be used as asked."""
+
+
+def fingerprint(settings: dict, prompts: list) -> dict:
+    """What decides the outputs: the generation settings and every prompt's id and tokens."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(json.dumps([prompt.prompt_id, prompt.token_ids]).encode())
+    return {"settings": json.loads(json.dumps(settings, sort_keys=True, default=str)),
+            "prompts_sha256": digest.hexdigest(), "num_prompts": len(prompts)}
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(old) | set(new))
+    out = []
+    for key in keys:
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write) -> None:
+    """write(tmp_path) then rename over `path`: readers see the old file or the new one, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class SampleStore:
+    def __init__(self, out_dir: str | os.PathLike, expected: dict, *, overwrite: bool = False,
+                 force: bool = False) -> None:
+        self.dir = Path(out_dir)
+        self.expected = expected
+        self.overwrite = overwrite
+        self.force = force
+        self.samples_path = self.dir / SAMPLES_FILE
+        self.done: dict[tuple[str, int], dict] = {}
+        self._log = None
+
+    def open(self) -> dict[tuple[str, int], dict]:
+        """Prepare the folder; returns the samples already durable, keyed by (prompt id, sample index)."""
+        manifest_path = self.dir / MANIFEST_FILE
+        if self.overwrite:
+            for name in (SAMPLES_FILE, PARQUET_FILE, SUMMARY_FILE, MANIFEST_FILE):
+                (self.dir / name).unlink(missing_ok=True)
+        present = [name for name in (SAMPLES_FILE, PARQUET_FILE, SUMMARY_FILE) if (self.dir / name).exists()]
+        if manifest_path.exists():
+            manifest = json.loads(manifest_path.read_text())
+            if (self.dir / SUMMARY_FILE).exists():
+                raise StoreError(f"{self.dir} holds a complete run; pass output.overwrite=true to replace it")
+            changed = _differences(manifest.get("fingerprint", {}), self.expected)
+            if changed and not self.force:
+                raise StoreError(f"{self.dir} holds a run with other settings or prompts ({'; '.join(changed[:3])}"
+                                 f"{'; ...' if len(changed) > 3 else ''}); pass output.force=true to resume it "
+                                 "anyway or output.overwrite=true to start over")
+            self.done = self._read_durable()
+        elif present:
+            raise StoreError(f"{self.dir} already holds {', '.join(present)}; pass output.overwrite=true to "
+                             "replace them")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(manifest_path, lambda p: p.write_text(json.dumps(
+            {"version": MANIFEST_VERSION, "fingerprint": self.expected}, indent=1)))
+        self._log = self.samples_path.open("a", encoding="utf-8")
+        return dict(self.done)
+
+    def _read_durable(self) -> dict[tuple[str, int], dict]:
+        if not self.samples_path.exists():
+            return {}
+        data = self.samples_path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):  # a line torn by the crash: it was never acknowledged as durable
+            with self.samples_path.open("rb+") as f:
+                f.truncate(end)
+                os.fsync(f.fileno())
+        done = {}
+        for number, line in enumerate(data[:end].decode("utf-8").splitlines(), start=1):
+            try:
+                record = json.loads(line)
+                key = (record["prompt_id"], record["sample_index"])
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise StoreError(f"{self.samples_path} line {number} is not a sample record ({exc}); "
+                                 "pass output.overwrite=true to start over") from exc
+            done[key] = record  # a sample written twice (a crash between write and acknowledgement) counts once
+        return done
+
+    def append(self, records: list[dict]) -> None:
+        """Make a batch of finished samples durable."""
+        if not records:
+            return
+        self._log.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        self._log.flush()
+        os.fsync(self._log.fileno())
+        for r in records:
+            self.done[(r["prompt_id"], r["sample_index"])] = r
+
+    def finalize(self, order: list[tuple[str, int]], formats: list[str]) -> dict[str, str]:
+        """Every expected sample exactly once, in prompt then sample order, in the final files."""
+        missing = [key for key in order if key not in self.done]
+        if missing:
+            raise StoreError(f"{len(missing)} samples are missing, e.g. {missing[0]}")
+        records = [self.done[key] for key in order]
+        self.close()
+        paths = {}
+        atomic_write(self.samples_path, lambda p: p.write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"))
+        if "jsonl" in formats:
+            paths["jsonl"] = str(self.samples_path)
+        if "parquet" in formats:
+            import datasets
+
+            table = datasets.Dataset.from_list(records)
+            atomic_write(self.dir / PARQUET_FILE, lambda p: table.to_parquet(str(p)))
+            paths["parquet"] = str(self.dir / PARQUET_FILE)
+        return paths
+
+    def write_summary(self, summary: dict) -> Path:
+        """Written last: its presence marks the run complete."""
+        path = self.dir / SUMMARY_FILE
+        atomic_write(path, lambda p: p.write_text(json.dumps(summary, indent=1, default=str)))
+        return path
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None

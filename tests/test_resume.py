@@ -1,0 +1,124 @@
+"""A real run on the tiny model, killed (SIGKILL of the whole process group) at random points and interrupted
+(SIGINT), then restarted with the same command: every (prompt id, sample index) ends up exactly once, nothing
+durable is generated again, and the summary covers the whole set."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import datasets
+import pytest
+
+pytestmark = pytest.mark.engine
+
+NUM_PROMPTS, N = 24, 8
+
+
+@pytest.fixture
+def prompt_set(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}: what is {i} plus {i % 7}?"}) + "\n"
+                            for i in range(NUM_PROMPTS)))
+    return path
+
+
+def command(tiny_model, prompt_set, out, *extra):
+    return [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
+            f"sampling.n={N}", "sampling.max_tokens=400", "model.kv_cache_memory_bytes=8388608", "policy.b_max=32",
+            "output.progress=false", f"output.dir={out}", *extra]
+
+
+def durable_lines(out):
+    path = out / "samples.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1]]
+
+
+def start_and_stop(cmd, out, at_least, sig, whole_group):
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(durable_lines(out)) < at_least and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if whole_group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    if whole_group:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind by the parent's death
+        except ProcessLookupError:
+            pass
+    return proc.returncode, stderr
+
+
+def keys(records):
+    return [(r["prompt_id"], r["sample_index"]) for r in records]
+
+
+def test_killed_runs_resume_exactly_once(tiny_model, prompt_set, tmp_path):
+    out = tmp_path / "out"
+    cmd = command(tiny_model, prompt_set, out)
+    rng = random.Random(7)
+    total = NUM_PROMPTS * N
+    seen = 0
+    for _ in range(3):
+        target = min(seen + rng.randint(5, 40), total - 20)
+        returncode, _ = start_and_stop(cmd, out, target, signal.SIGKILL, whole_group=True)
+        assert returncode == -signal.SIGKILL
+        records = durable_lines(out)
+        assert len(set(keys(records))) == len(records)  # nothing durable was generated a second time
+        assert len(records) >= seen
+        seen = len(records)
+    assert 0 < seen < total
+    assert not (out / "summary.json").exists()
+
+    # A changed setting is refused, with the difference named, and nothing already written is touched.
+    before = (out / "samples.jsonl").read_bytes()
+    changed = subprocess.run(command(tiny_model, prompt_set, out, "sampling.temperature=0.5"), capture_output=True,
+                             text=True, timeout=300)
+    assert changed.returncode == 2
+    assert "sampling.temperature: 1.0 -> 0.5" in changed.stderr.strip().splitlines()[-1]
+    assert (out / "samples.jsonl").read_bytes() == before
+
+    finished = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert f"resuming: {seen} of {total}" in finished.stderr
+    final = durable_lines(out)
+    assert keys(final) == [(f"q{i}", j) for i in range(NUM_PROMPTS) for j in range(N)]  # once each, in order
+    parquet = datasets.load_dataset("parquet", data_files=str(out / "samples.parquet"), split="train").to_list()
+    assert keys(parquet) == keys(final)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_samples"] == total
+    assert summary["samples_resumed"] == seen
+    assert summary["samples_generated"] == total - seen
+    assert summary["completion_tokens_total"] == sum(r["completion_tokens"] for r in final)
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2
+    assert "holds a complete run" in again.stderr
+
+
+def test_interrupt_stops_cleanly_and_resumes(tiny_model, prompt_set, tmp_path):
+    out = tmp_path / "out"
+    cmd = command(tiny_model, prompt_set, out)
+    returncode, stderr = start_and_stop(cmd, out, 10, signal.SIGINT, whole_group=False)
+    assert returncode == 130, stderr[-3000:]
+    assert "run the same command again to resume" in stderr
+    kept = durable_lines(out)
+    assert len(kept) >= 10
+    assert len(set(keys(kept))) == len(kept)
+
+    forced = subprocess.run(command(tiny_model, prompt_set, out, "sampling.top_p=0.9", "output.force=true"),
+                            capture_output=True, text=True, timeout=600)
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    final = durable_lines(out)
+    assert len(final) == NUM_PROMPTS * N == len(set(keys(final)))
+    assert [r for r in final if r["prompt_id"] == kept[0]["prompt_id"] and
+            r["sample_index"] == kept[0]["sample_index"]] == [kept[0]]
