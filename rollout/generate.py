@@ -28,8 +28,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "Run the same command again to resume a killed run.",
         epilog="options (override as key=value):\n" + describe_options())
     parser.add_argument("--config", help="a YAML file merged over the defaults")
+    parser.add_argument("--overwrite", action="store_true", help="same as output.overwrite=true")
+    parser.add_argument("--force", action="store_true", help="same as output.force=true")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. policy.eps_m=0.01 sampling.n=8")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.overrides += ["output.overwrite=true"] * args.overwrite + ["output.force=true"] * args.force
+    return args
 
 
 def output_settings(cfg: RunConfig) -> dict:

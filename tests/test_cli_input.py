@@ -86,6 +86,7 @@ def test_existing_outputs_are_not_overwritten(tmp_path, tiny_model):
     line = error_line(run_cli(f"model.path={tiny_model}", f"output.dir={out}"))
     assert "output.overwrite=true" in line
     assert (out / "samples.jsonl").read_text() == "precious\n"
+    assert not (out / "manifest.json").exists()
 
 
 def test_long_prompts_can_be_skipped(tmp_path, tiny_model):
@@ -100,3 +101,10 @@ def test_long_prompts_can_be_skipped(tmp_path, tiny_model):
 def test_bad_long_prompts_value(tmp_path):
     line = error_line(run_cli("data.long_prompts=truncate", f"output.dir={tmp_path}/out"))
     assert "data.long_prompts must be 'fail' or 'skip'" in line
+
+
+def test_overwrite_and_force_flags_are_config_overrides():
+    from rollout.generate import parse_args
+
+    args = parse_args(["--overwrite", "--force", "sampling.n=2"])
+    assert args.overrides == ["sampling.n=2", "output.overwrite=true", "output.force=true"]
