@@ -64,6 +64,8 @@ class TraceReader:
 def read_trace_header(path: Path) -> dict:
     """The most recent engine-start record of a trace file."""
     header = {}
+    if not path.exists():
+        return header
     with path.open() as f:
         for line in f:
             if '"event": "start"' in line:
@@ -92,14 +94,15 @@ class RolloutEngine:
         self.per_request_seeds = not current_platform.is_cpu()
         stats_options = {"forgetting": p.forgetting, "window": p.window, "decay": p.decay}
         kwargs = dict(
-            model=self.model_path, dtype=m.dtype, max_model_len=m.max_model_len, max_num_seqs=p.b_max,
+            model=self.model_path, dtype=m.dtype, max_model_len=m.max_model_len,
             seed=cfg.sampling.seed, enforce_eager=m.enforce_eager, tensor_parallel_size=m.tensor_parallel_size,
-            enable_prefix_caching=m.enable_prefix_caching, disable_log_stats=False,
-            async_scheduling=async_scheduling, scheduler_cls=scheduler_class_path(async_scheduling),
-            additional_config=adapter_settings(asdict(p), str(self.trace_path),
-                                               str(self.stats_in) if self.stats_in else None,
-                                               str(self.stats_out), stats_options),
+            enable_prefix_caching=m.enable_prefix_caching, disable_log_stats=False, async_scheduling=async_scheduling,
         )
+        if p.name != "vllm":  # "vllm": vLLM's own scheduler and default max_num_seqs, the baseline
+            kwargs.update(max_num_seqs=p.b_max, scheduler_cls=scheduler_class_path(async_scheduling),
+                          additional_config=adapter_settings(asdict(p), str(self.trace_path),
+                                                             str(self.stats_in) if self.stats_in else None,
+                                                             str(self.stats_out), stats_options))
         for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
             if getattr(m, key) is not None:
                 kwargs[key] = getattr(m, key)
@@ -246,6 +249,7 @@ class RolloutEngine:
             "kv_capacity_tokens": (header.get("kv_capacity_blocks") or 0) * block_size,
             "b_max": header.get("max_cap"), "cap_knob": header.get("cap_attr"),
             "steps": len(steps),
+            "recomputed_tokens": sum(s.get("recomputed_tokens", 0) for s in steps) if steps else None,
         }
         if steps:
             caps = np.array([s["cap"] for s in steps])

@@ -12,9 +12,12 @@ cap is never set below that. `max_num_seqs` stays at B_max because the model run
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
+
+import numpy as np
 from pathlib import Path
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -65,6 +68,7 @@ class _DynamicBatchMixin:
         self._pending_max_tokens = 0
         self._finished = 0
         self._preempted = 0
+        self._recomputed = 0
 
     def add_request(self, request) -> None:
         super().add_request(request)
@@ -83,14 +87,19 @@ class _DynamicBatchMixin:
 
     def schedule(self, *args, **kwargs):
         num_running, num_waiting = self.get_request_counts()
+        started = time.perf_counter()
         state = StepState(
             num_running=num_running, num_waiting=num_waiting,
             kv_capacity_blocks=self.kv_capacity_blocks, block_size=self.block_size,
             pending_prompt_tokens_mean=self._pending_prompt_tokens / max(self._pending, 1),
             pending_max_tokens_mean=self._pending_max_tokens / max(self._pending, 1),
         )
+        if self.batch_policy.needs_requests:
+            self._describe_requests(state)
         cap = min(max(self.batch_policy.batch_cap(state), num_running, 1), self.max_cap)
+        policy_us = (time.perf_counter() - started) * 1e6
         setattr(self, self._cap_attr, cap)
+        self._recomputed = 0
         output = super().schedule(*args, **kwargs)
         self._step += 1
         preempted = len(getattr(output, "preempted_req_ids", None) or ())
@@ -103,6 +112,7 @@ class _DynamicBatchMixin:
                 "running": running_after, "waiting": waiting_after,
                 "kv_usage": round(self.kv_cache_manager.usage, 4), "preempted": preempted,
                 "scheduled_tokens": output.total_num_scheduled_tokens, "finished": self._finished,
+                "recomputed_tokens": self._recomputed, "policy_us": round(policy_us, 1),
             }
             for key, value in self.batch_policy.trace_fields().items():
                 if isinstance(value, float):
@@ -115,6 +125,23 @@ class _DynamicBatchMixin:
                 self._trace.flush()
                 self._last_flush = now
         return output
+
+    def _describe_requests(self, state: StepState) -> None:
+        def tokens_and_remaining(requests):
+            held = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=len(requests))
+            left = np.fromiter((r.max_tokens - r.num_output_tokens for r in requests), dtype=np.int64,
+                               count=len(requests))
+            return held, left
+
+        state.running_tokens, state.running_remaining = tokens_and_remaining(self.running)
+        # Preempted requests wait at the front; only as many as the cap could still admit matter.
+        headroom = self.max_cap - len(self.running)
+        waiting = list(itertools.islice(iter(self.waiting), headroom))
+        state.waiting_tokens, state.waiting_remaining = tokens_and_remaining(waiting)
+
+    def _preempt_request(self, request, *args, **kwargs):
+        self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again
+        return super()._preempt_request(request, *args, **kwargs)
 
     def update_from_output(self, *args, **kwargs):
         outputs = super().update_from_output(*args, **kwargs)

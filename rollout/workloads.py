@@ -1,10 +1,80 @@
-"""Synthetic workloads with imposed lengths (token-id prompts, max_tokens + ignore_eos), for tests and benchmarks."""
+"""Synthetic rollout workloads with imposed lengths (token-id prompts, max_tokens + ignore_eos).
+
+Each profile gives, per RL iteration, a list of requests: the prompt's token ids, the true output length and
+the group (prompt) it belongs to. Everything is seeded.
+"""
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from rollout.data import Prompt
+
+REAL_LENGTHS = Path(__file__).resolve().parent.parent / "configs" / "bench" / "real_lengths.json"
+
+
+@dataclass
+class ProfileConfig:
+    name: str = "kv-bound"
+    kind: str = "lognormal"  # lognormal | grpo | real
+    num_prompts: int = 512
+    samples_per_prompt: int = 1
+    prompt_tokens: int = 128
+    median_output: int = 200
+    sigma: float = 0.8  # lognormal spread of output lengths (grpo: across prompts)
+    sample_sigma: float = 0.35  # grpo: spread of a prompt's samples around its latent length
+    max_output: int = 1024
+    iterations: int = 1
+    drift: float = 1.25  # grpo: output lengths grow by this factor per iteration
+    scale: float = 1.0  # real: multiply measured lengths
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass
+class Request:
+    prompt: Prompt
+    output_tokens: int
+    group: int
+
+
+def _prompt(rng: np.random.Generator, name: str, length: int, vocab: int) -> Prompt:
+    return Prompt(prompt_id=name, text="", token_ids=rng.integers(10, vocab, max(length, 1)).tolist())
+
+
+def profile_requests(profile: ProfileConfig, iteration: int, seed: int = 0,
+                     vocab_size: int = 1000) -> list[Request]:
+    """The requests of one iteration. grpo prompts keep their latent length across iterations, which drifts."""
+    rng = np.random.default_rng([seed, iteration])
+    base = np.random.default_rng([seed, 10_000])  # per-prompt traits shared by all iterations
+    n, cap = profile.samples_per_prompt, profile.max_output
+    requests = []
+    if profile.kind == "lognormal":
+        lengths = rng.lognormal(np.log(profile.median_output), profile.sigma, profile.num_prompts)
+        for i, length in enumerate(lengths):
+            prompt = _prompt(rng, f"p{i}", profile.prompt_tokens, vocab_size)
+            requests.append(Request(prompt, int(np.clip(length, 1, cap)), i))
+    elif profile.kind == "grpo":
+        latent = base.lognormal(np.log(profile.median_output), profile.sigma, profile.num_prompts)
+        prompts = [_prompt(base, f"p{i}", profile.prompt_tokens, vocab_size) for i in range(profile.num_prompts)]
+        growth = profile.drift ** iteration
+        for i, prompt in enumerate(prompts):
+            samples = rng.lognormal(np.log(latent[i] * growth), profile.sample_sigma, n)
+            requests += [Request(prompt, int(np.clip(s, 1, cap)), i) for s in samples]
+    elif profile.kind == "real":
+        pairs = json.loads(REAL_LENGTHS.read_text())["prompt_and_output_tokens"]
+        picks = rng.integers(0, len(pairs), profile.num_prompts)
+        for i, pick in enumerate(picks):
+            prompt_len, out_len = pairs[pick]
+            prompt = _prompt(rng, f"p{i}", int(prompt_len * profile.scale), vocab_size)
+            requests.append(Request(prompt, int(np.clip(out_len * profile.scale, 1, cap)), i))
+    else:
+        raise ValueError(f"unknown workload kind {profile.kind!r} (lognormal, grpo, real)")
+    return requests
 
 
 def lognormal_workload(num_prompts: int, *, prompt_tokens: int = 32, median_output: int = 160, sigma: float = 0.7,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from rollout.policy.length_stats import LengthStats
 from rollout.policy.memory import clamp_cap, clt_batch_bound, memory_batch_size, overflow_quantile, safety_buffer
@@ -25,12 +26,19 @@ class StepState:
     # Cold-start demand estimate from requests not yet finished, in tokens.
     pending_prompt_tokens_mean: float = 0.0
     pending_max_tokens_mean: float = 0.0
+    # Per-request arrays (tokens held, tokens still to generate up to max_tokens), filled only for policies
+    # that set `needs_requests`; waiting requests in queue order, at most the cap's headroom of them.
+    running_tokens: Any = None
+    running_remaining: Any = None
+    waiting_tokens: Any = None
+    waiting_remaining: Any = None
 
 
 class StaticPolicy:
     """A fixed cap, as vLLM's max_num_seqs; still gathers statistics for the next iteration."""
 
     name = "static"
+    needs_requests = False
 
     def __init__(self, cap: int, max_cap: int, stats: LengthStats | None = None) -> None:
         self.cap = min(cap, max_cap)
@@ -141,6 +149,10 @@ class FallbackPolicy:
     def stats(self) -> LengthStats:
         return self.policy.stats
 
+    @property
+    def needs_requests(self) -> bool:
+        return self.policy.needs_requests
+
     def _fail(self, exc: Exception) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
         logging.getLogger("rollout").warning("policy %s failed (%s); continuing with a static cap of %d",
@@ -168,14 +180,21 @@ class FallbackPolicy:
 
 
 POLICIES = {cls.name: cls for cls in (StaticPolicy, MemoryPolicy, CLTPolicy)}
+# Benchmark references, never defaults: "oracle" reads true lengths from max_tokens; "vllm" runs vLLM's own
+# scheduler untouched (no adapter, vLLM's default max_num_seqs).
+BENCHMARK_POLICIES = ("oracle", "vllm")
 
 
 def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolicy:
     """Build a policy from the plain dict form of `PolicyConfig` (what travels in vLLM's additional_config)."""
     name = settings["name"]
+    max_cap = int(settings["b_max"])
+    if name == "oracle":
+        from rollout.policy.oracle import OraclePolicy
+
+        return OraclePolicy(max_cap, max_cap, stats)
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
-    max_cap = int(settings["b_max"])
     if name == "static":
         return StaticPolicy(int(settings.get("static_cap") or max_cap), max_cap, stats)
     return POLICIES[name](

@@ -1,0 +1,260 @@
+"""python -m rollout.bench --config configs/bench/<name>.yaml [key=value ...]
+
+Every scheduler on every workload profile, interleaved (each repetition runs all schedulers before the next
+one starts), in one process on one machine. Schedulers: "vllm" (vLLM untouched, its default max_num_seqs),
+"static-N" (our adapter with a fixed cap N = max_num_seqs), "memory" (Algorithm 1), "memory-clt", and
+"oracle" (true lengths, longest first; a reference, not a policy one can deploy).
+
+Writes results.json, results.md (a table per profile), throughput.png (median and spread per scheduler) and
+timeline-<profile>.png (running batch and KV use over time) into the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rollout.config import ConfigError, RunConfig, validate
+from rollout.workloads import ProfileConfig, profile_requests
+
+GPU_ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True,
+              "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+
+
+@dataclass
+class BenchConfig:
+    model: str = "tiny"  # "tiny" (built here) or a folder with a config.json (GPU: dummy weights)
+    gpu: bool = False
+    dtype: str = "bfloat16"
+    max_model_len: Optional[int] = None  # None: longest prompt + output of the profile
+    schedulers: list = field(default_factory=lambda: ["vllm", "static-256", "static-1024", "memory", "memory-clt",
+                                                      "oracle"])
+    b_max: int = 1024  # max_num_seqs for memory, memory-clt and oracle
+    eps_m: float = 0.05
+    reps: int = 3
+    seed: int = 0
+    vocab_size: int = 1000
+    profiles: list = field(default_factory=lambda: [ProfileConfig()])
+    only: list = field(default_factory=list)  # names of the profiles to run; empty: all
+    out_dir: str = "runs/bench"
+
+
+def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
+    try:
+        cfg = OmegaConf.structured(BenchConfig)
+        if path:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        cfg.profiles = [OmegaConf.merge(OmegaConf.structured(ProfileConfig), p) for p in cfg.profiles]
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        bench = OmegaConf.to_object(cfg)
+    except (OmegaConfBaseException, OSError) as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from exc
+    if bench.only:
+        unknown = set(bench.only) - {p.name for p in bench.profiles}
+        if unknown:
+            raise ConfigError(f"only: no profile named {sorted(unknown)}")
+        bench.profiles = [p for p in bench.profiles if p.name in bench.only]
+    for name in bench.schedulers:
+        if name not in ("vllm", "memory", "memory-clt", "oracle") and not (
+                name.startswith("static-") and name[7:].isdigit()):
+            raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, oracle)")
+    return bench
+
+
+def run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: str) -> RunConfig:
+    max_len = bench.max_model_len or (int(profile.prompt_tokens * max(profile.scale, 1)) + profile.max_output + 16)
+    model_cfg = {"path": model, "max_model_len": max_len, "dtype": bench.dtype if bench.gpu else "float32",
+                 "enforce_eager": not bench.gpu, "engine_kwargs": GPU_ENGINE if bench.gpu else {}}
+    for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
+        if getattr(profile, key) is not None:
+            model_cfg[key] = getattr(profile, key)
+    if scheduler.startswith("static-"):
+        policy = {"name": "static", "b_max": int(scheduler[7:])}
+    else:
+        policy = {"name": scheduler, "b_max": bench.b_max, "eps_m": bench.eps_m}
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "model": model_cfg, "data": {"source": "synthetic"}, "policy": policy, "output": {"stats_in": None},
+        "sampling": {"n": 1, "ignore_eos": True, "temperature": 1.0, "seed": bench.seed}}))
+    validate(cfg)
+    return cfg
+
+
+def drain_tail_fraction(trace: list[dict]) -> float | None:
+    """Share of the wall time spent with the running batch under half of its peak."""
+    if len(trace) < 2:
+        return None
+    peak = max(s["running"] for s in trace)
+    total = trace[-1]["t"] - trace[0]["t"]
+    tail = sum(b["t"] - a["t"] for a, b in zip(trace, trace[1:]) if a["running"] < 0.5 * peak)
+    return tail / total if total > 0 else None
+
+
+def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: str, workdir: Path) -> dict:
+    from rollout.engine import RolloutEngine
+
+    cfg = run_config(bench, profile, scheduler, model)
+    requested = generated = 0
+    wall = preemptions = recomputed = 0.0
+    trace: list[dict] = []
+    with RolloutEngine(cfg, workdir) as engine:
+        for iteration in range(profile.iterations):
+            requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
+            if scheduler == "oracle":  # longest first keeps the cache full while the long ones run
+                requests = sorted(requests, key=lambda r: -r.output_tokens)
+            lengths = [r.output_tokens for r in requests]
+            result = engine.generate([r.prompt for r in requests], progress=False, max_tokens=lengths)
+            s = result.summary
+            requested += sum(lengths)
+            generated += s["generated_tokens"]
+            wall += s["wall_time_s"]
+            preemptions += s["preemptions"]
+            recomputed += s.get("recomputed_tokens") or 0
+            if result.trace:  # iterations laid end to end on one time axis
+                offset = trace[-1]["t"] if trace else 0.0
+                trace += [{**step, "t": step["t"] - result.trace[0]["t"] + offset} for step in result.trace]
+    policy_us = [s["policy_us"] for s in trace if "policy_us" in s]
+    step_s = wall / len(trace) if trace else None
+    return {
+        "profile": profile.name, "scheduler": scheduler, "requested_tokens": requested,
+        "generated_tokens": generated, "makespan_s": round(wall, 3), "tokens_per_s": round(generated / wall, 1),
+        "preemptions": int(preemptions), "recomputed_tokens": int(recomputed) if trace else None,
+        "recomputed_fraction": round(recomputed / generated, 4) if trace else None,
+        "mean_running": round(statistics.mean(s["running"] for s in trace), 1) if trace else None,
+        "kv_usage_mean": round(statistics.mean(s["kv_usage"] for s in trace), 3) if trace else None,
+        "drain_tail_fraction": drain_tail_fraction(trace),
+        "policy_us_mean": round(statistics.mean(policy_us), 1) if policy_us else None,
+        "policy_time_fraction": round(statistics.mean(policy_us) * 1e-6 / step_s, 5) if policy_us else None,
+        "timeline": [{k: s[k] for k in ("t", "running", "kv_usage", "cap")} for s in trace[::max(1, len(trace) // 300)]],
+    }
+
+
+def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
+    rows = [r for r in results if r["profile"] == profile]
+    base = statistics.median(r["tokens_per_s"] for r in rows if r["scheduler"] == "vllm") if any(
+        r["scheduler"] == "vllm" for r in rows) else None
+    lines = [f"### {profile}", "",
+             "| scheduler | tok/s median (min-max) | vs vllm | makespan s | preemptions | recomputed % | "
+             "mean running | KV use | drain tail | policy % of step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def med(runs, key, fmt):
+        values = [r[key] for r in runs if r[key] is not None]
+        return fmt.format(statistics.median(values)) if values else "-"
+
+    for name in schedulers:
+        runs = [r for r in rows if r["scheduler"] == name]
+        if not runs:
+            continue
+        tps = [r["tokens_per_s"] for r in runs]
+        ratio = f"{statistics.median(tps) / base:.3f}" if base else "-"
+        lines.append(
+            f"| {name} | {statistics.median(tps):.0f} ({min(tps):.0f}-{max(tps):.0f}) | {ratio} | "
+            f"{med(runs, 'makespan_s', '{:.1f}')} | {med(runs, 'preemptions', '{:.0f}')} | "
+            f"{med([{**r, 'p': None if r['recomputed_fraction'] is None else 100 * r['recomputed_fraction']} for r in runs], 'p', '{:.2f}')} | "
+            f"{med(runs, 'mean_running', '{:.1f}')} | {med(runs, 'kv_usage_mean', '{:.2f}')} | "
+            f"{med(runs, 'drain_tail_fraction', '{:.2f}')} | "
+            f"{med([{**r, 'p': None if r['policy_time_fraction'] is None else 100 * r['policy_time_fraction']} for r in runs], 'p', '{:.3f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: list[dict], bench: BenchConfig, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    profiles = [p.name for p in bench.profiles]
+    fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), squeeze=False)
+    for ax, profile in zip(axes[0], profiles):
+        names = [s for s in bench.schedulers if any(r["scheduler"] == s and r["profile"] == profile for r in results)]
+        tps = [[r["tokens_per_s"] for r in results if r["scheduler"] == s and r["profile"] == profile] for s in names]
+        meds = [statistics.median(t) for t in tps]
+        err = [[m - min(t) for m, t in zip(meds, tps)], [max(t) - m for m, t in zip(meds, tps)]]
+        ax.bar(range(len(names)), meds, yerr=err, capsize=4, color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
+        ax.set_title(profile)
+        ax.set_ylabel("generated tok/s (median, min-max)")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=100)
+    plt.close(fig)
+    paths.append(str(out / "throughput.png"))
+    for profile in profiles:
+        fig, (run_ax, kv_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+        for name in bench.schedulers:
+            first = next((r for r in results if r["profile"] == profile and r["scheduler"] == name
+                          and r["timeline"]), None)
+            if first:
+                t = [p["t"] for p in first["timeline"]]
+                run_ax.plot(t, [p["running"] for p in first["timeline"]], lw=1, label=name)
+                kv_ax.plot(t, [p["kv_usage"] for p in first["timeline"]], lw=1, label=name)
+        run_ax.set_ylabel("running requests")
+        kv_ax.set_ylabel("KV use")
+        kv_ax.set_xlabel("seconds")
+        run_ax.legend(fontsize=8)
+        run_ax.set_title(f"{profile}: first repetition (vllm has no trace)")
+        fig.tight_layout()
+        path = out / f"timeline-{profile}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    parser = argparse.ArgumentParser(prog="python -m rollout.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="a bench YAML (configs/bench/)")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. reps=5 out_dir=runs/b2")
+    args = parser.parse_args(argv)
+    try:
+        bench = load_bench_config(args.config, args.overrides)
+        for profile in bench.profiles:  # fail on a bad profile before any engine starts
+            for scheduler in bench.schedulers:
+                run_config(bench, profile, scheduler, "unused")
+            profile_requests(profile, 0, bench.seed, bench.vocab_size)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(bench.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    if bench.model == "tiny":
+        from rollout.models import build_tiny_llama
+
+        model = str(build_tiny_llama(work / "tiny", vocab_size=bench.vocab_size))
+    else:
+        model = bench.model
+    results, started = [], time.time()
+    for profile in bench.profiles:
+        for rep in range(bench.reps):
+            for scheduler in bench.schedulers:
+                result = run_once(bench, profile, scheduler, model, work / f"{profile.name}-{scheduler}-{rep}")
+                result["rep"] = rep
+                results.append(result)
+                print(json.dumps({k: v for k, v in result.items() if k != "timeline"}), flush=True)
+    report = {"config": OmegaConf.to_container(OmegaConf.structured(bench)), "started": started,
+              "results": results}
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    md = "".join(table(results, p.name, bench.schedulers) + "\n" for p in bench.profiles)
+    (out / "results.md").write_text(md)
+    plots(results, bench, out)
+    print(md)
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

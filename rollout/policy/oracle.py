@@ -1,0 +1,62 @@
+"""The length oracle: admission that knows every request's true output length (a benchmark reference, never a
+default). It admits waiting requests, in queue order, while the future peak KV demand of everything running
+stays within the cache, so nothing is ever preempted; fed longest-first, it keeps the cache full.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rollout.policy.memory import clamp_cap
+from rollout.policy.policies import StaticPolicy, StepState
+
+
+def peak_kv_tokens(current: np.ndarray, remaining: np.ndarray, block_size: int = 1) -> float:
+    """Largest future KV demand (tokens) of requests holding `current` tokens that each grow by one token per
+    step for `remaining` more steps and then free everything; each active request may waste up to one block."""
+    if len(current) == 0:
+        return 0.0
+    order = np.argsort(remaining, kind="stable")
+    rem = remaining[order].astype(float)
+    cur = current[order].astype(float)
+    # Demand changes only when a request finishes: evaluate at each finish time t = rem[k], where requests
+    # k..n-1 are still active, each holding cur + t tokens rounded up to a block.
+    active_tokens = np.cumsum(cur[::-1])[::-1]
+    active = len(rem) - np.arange(len(rem))
+    return float(np.max(active_tokens + active * (rem + block_size - 1)))
+
+
+def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray, waiting_tokens: np.ndarray,
+                      waiting_remaining: np.ndarray, capacity_tokens: float, block_size: int) -> int:
+    """How many of the waiting requests (a prefix, in queue order) fit without the peak exceeding capacity."""
+    def fits(m: int) -> bool:
+        return peak_kv_tokens(np.concatenate([running_tokens, waiting_tokens[:m]]),
+                              np.concatenate([running_remaining, waiting_remaining[:m]]),
+                              block_size) <= capacity_tokens
+
+    lo, hi = 0, len(waiting_tokens)  # the peak grows with m: binary search for the largest m that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class OraclePolicy(StaticPolicy):
+    """Cap = running + the waiting requests whose true lengths still fit the cache at its future peak."""
+
+    name = "oracle"
+    needs_requests = True
+
+    def batch_cap(self, state: StepState) -> int:
+        if state.waiting_tokens is None or not state.num_waiting:
+            return clamp_cap(self.cap, state.num_running, 1, self.max_cap)
+        admit = oracle_admissions(state.running_tokens, state.running_remaining, state.waiting_tokens,
+                                  state.waiting_remaining, state.kv_capacity_blocks * state.block_size,
+                                  state.block_size)
+        # Admit at least one request into an empty engine, or nothing would ever run.
+        self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running, 1,
+                             self.max_cap)
+        return self.cap

@@ -1,0 +1,43 @@
+"""The benchmark's CPU mode end to end (tiny model): tables, plots and consistent numbers."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def test_cpu_benchmark_smoke(tmp_path):
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout.bench", "--config", "configs/bench/cpu-smoke.yaml", f"out_dir={out}",
+         "schedulers=[vllm,static-64,memory,oracle]"], capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((out / "results.json").read_text())
+    runs = report["results"]
+    assert {(r["profile"], r["scheduler"]) for r in runs} == {
+        (p, s) for p in ("kv-bound", "grpo-groups") for s in ("vllm", "static-64", "memory", "oracle")}
+    for r in runs:
+        assert r["generated_tokens"] == r["requested_tokens"] > 0  # every imposed token, no more, no less
+        assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["makespan_s"], rel=0.01)
+        if r["scheduler"] == "oracle":
+            assert r["preemptions"] == 0 and r["recomputed_tokens"] == 0  # it knows the lengths: no preemption
+        if r["scheduler"] != "vllm":
+            assert 0.0 <= r["drain_tail_fraction"] <= 1.0
+            assert r["recomputed_fraction"] >= 0.0
+    kv_bound = {r["scheduler"]: r for r in runs if r["profile"] == "kv-bound"}
+    assert kv_bound["static-64"]["preemptions"] > 0  # the profile really overflows the cache
+    table = (out / "results.md").read_text()
+    assert "### kv-bound" in table and "### grpo-groups" in table
+    assert "| vllm |" in table and "| 1.000 |" in table
+    for name in ("throughput.png", "timeline-kv-bound.png", "timeline-grpo-groups.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+def test_bad_bench_config_fails_before_any_engine(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rollout.bench", "--config", "configs/bench/cpu-smoke.yaml",
+                             "schedulers=[fastest]"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "unknown scheduler 'fastest'" in result.stderr
