@@ -56,7 +56,9 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
         if path:
             cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
         cfg.profiles = [OmegaConf.merge(OmegaConf.structured(ProfileConfig), p) for p in cfg.profiles]
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        for item in overrides:  # one at a time, so that list items can be reached: profiles.0.num_prompts=64
+            key = item.split("=", 1)[0]
+            OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.from_dotlist([item]), key), merge=True)
         bench = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, OSError) as exc:
         raise ConfigError(str(exc).splitlines()[0]) from exc
@@ -245,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["rep"] = rep
                 results.append(result)
                 print(json.dumps({k: v for k, v in result.items() if k != "timeline"}), flush=True)
-    report = {"config": OmegaConf.to_container(OmegaConf.structured(bench)), "started": started,
-              "results": results}
-    (out / "results.json").write_text(json.dumps(report, indent=1))
+                report = {"config": OmegaConf.to_container(OmegaConf.structured(bench)), "started": started,
+                          "results": results}
+                (out / "results.json").write_text(json.dumps(report, indent=1))  # partial results survive a kill
     md = "".join(table(results, p.name, bench.schedulers) + "\n" for p in bench.profiles)
     (out / "results.md").write_text(md)
     plots(results, bench, out)

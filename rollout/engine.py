@@ -178,8 +178,9 @@ class RolloutEngine:
                         bar.update(1)
                 now = time.monotonic()
                 if sink and batch and now - last_sink > sink_every_s:
-                    sink(batch)
-                    batch, last_sink = [], now
+                    # Hand the batch over before writing: a Ctrl-C inside sink must not write it a second time.
+                    handed, batch, last_sink = batch, [], now
+                    sink(handed)
                 if progress and now - last_poll > 0.5:
                     last_poll = now
                     trace.poll()
@@ -194,7 +195,8 @@ class RolloutEngine:
             raise
         finally:
             if sink and batch:
-                sink(batch)
+                handed, batch = batch, []
+                sink(handed)
             bar.close()
         wall = time.monotonic() - start
         trace.poll()

@@ -1,4 +1,4 @@
-"""Side-by-side policies on one synthetic workload (imposed lengths), interleaved and repeated, in one process.
+"""Side-by-side policies on one synthetic workload (the quick form of `python -m rollout.bench`) (imposed lengths), interleaved and repeated, in one process.
 
 CPU, tiny random Llama, a KV cache far smaller than the demand (the default):
     python scripts/compare_policies.py --reps 3
@@ -20,9 +20,6 @@ import tempfile
 
 from omegaconf import OmegaConf
 
-GPU_ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True,
-              "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
-
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,6 +40,7 @@ def main() -> None:
     parser.add_argument("--json", help="write every run's summary (without series) here")
     args = parser.parse_args()
 
+    from rollout.bench import GPU_ENGINE
     from rollout.config import RunConfig, validate
     from rollout.engine import RolloutEngine
     from rollout.models import build_tiny_llama
