@@ -12,6 +12,7 @@ timeline-<profile>.png (running batch and KV use over time) into the output fold
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -108,6 +109,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     cfg = run_config(bench, profile, scheduler, model)
     requested = generated = 0
     wall = preemptions = recomputed = 0.0
+    kv_capacity_tokens = None
     trace: list[dict] = []
     with RolloutEngine(cfg, workdir) as engine:
         for iteration in range(profile.iterations):
@@ -117,6 +119,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
             lengths = [r.output_tokens for r in requests]
             result = engine.generate([r.prompt for r in requests], progress=False, max_tokens=lengths)
             s = result.summary
+            kv_capacity_tokens = s.get("kv_capacity_tokens")
             requested += sum(lengths)
             generated += s["generated_tokens"]
             wall += s["wall_time_s"]
@@ -138,6 +141,8 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         "policy_us_mean": round(statistics.mean(policy_us), 1) if policy_us else None,
         "policy_time_fraction": round(statistics.mean(policy_us) * 1e-6 / step_s, 5) if policy_us else None,
         "timeline": [{k: s[k] for k in ("t", "running", "kv_usage", "cap")} for s in trace[::max(1, len(trace) // 300)]],
+        "kv_capacity_tokens": kv_capacity_tokens,
+        "steps": [[s["t"], s["running"], s["scheduled_tokens"], s["kv_usage"], s["preempted"]] for s in trace],
     }
 
 
@@ -245,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             for scheduler in bench.schedulers:
                 result = run_once(bench, profile, scheduler, model, work / f"{profile.name}-{scheduler}-{rep}")
                 result["rep"] = rep
+                steps = {"scheduler": scheduler, "rep": rep, "kv_capacity_tokens": result.pop("kv_capacity_tokens"),
+                         "steps": result.pop("steps")}  # per step: t, running, scheduled tokens, KV use, preempted
+                with gzip.open(out / f"steps-{profile.name}.jsonl.gz", "at") as f:  # what the simulator is fit to
+                    f.write(json.dumps(steps) + "\n")
                 results.append(result)
                 print(json.dumps({k: v for k, v in result.items() if k != "timeline"}), flush=True)
                 report = {"config": OmegaConf.to_container(OmegaConf.structured(bench)), "started": started,

@@ -1,0 +1,80 @@
+"""python -m rollout.sim --config configs/bench/gpu.yaml --steps DIR [key=value ...]
+
+Fits the step-time model to a benchmark's recorded steps (DIR/steps-<profile>.jsonl.gz), simulates every
+scheduler of the bench config on the same workloads, and prints simulated against measured tokens/s (from
+DIR/results.json) with the error and whether the ranking of schedulers agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from rollout.bench import load_bench_config
+from rollout.policy import make_policy
+from rollout.sim.engine import simulate
+from rollout.sim.fit import fit_step_time, step_rows
+from rollout.workloads import profile_requests
+
+VLLM_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's offline default on H100/H200-class GPUs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout.sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--steps", required=True, help="a benchmark output folder")
+    parser.add_argument("--token-budget", type=int, default=8192, help="vLLM's max_num_batched_tokens")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    bench = load_bench_config(args.config, args.overrides)
+    folder = Path(args.steps)
+    measured = json.loads((folder / "results.json").read_text())["results"]
+    for profile in bench.profiles:
+        runs = step_rows(folder / f"steps-{profile.name}.jsonl.gz")
+        model, fit_error = fit_step_time(runs)
+        capacity_tokens = max(run["kv_capacity_tokens"] or 0 for run in runs)  # "vllm" runs record none
+        print(f"### {profile.name}: step time = {model.base * 1e3:.2f} ms + {model.per_seq * 1e6:.2f} us/seq + "
+              f"{model.per_kv_token * 1e9:.3f} ns/KV token + {model.per_prefill_token * 1e6:.2f} us/prefill token "
+              f"(total-time error of the fit {fit_error:.1%})\n")
+        print("| scheduler | measured tok/s | simulated tok/s | error | measured preemptions | simulated |")
+        print("|---|---|---|---|---|---|")
+        real_rank, sim_rank = {}, {}
+        for name in bench.schedulers:
+            real = [r for r in measured if r["profile"] == profile.name and r["scheduler"] == name]
+            if not real:
+                continue
+            if name == "vllm":
+                settings, b_max = {"name": "static", "b_max": VLLM_DEFAULT_MAX_NUM_SEQS}, VLLM_DEFAULT_MAX_NUM_SEQS
+            elif name.startswith("static-"):
+                settings, b_max = {"name": "static", "b_max": int(name[7:])}, int(name[7:])
+            else:
+                settings, b_max = {"name": name, "b_max": bench.b_max, "eps_m": bench.eps_m}, bench.b_max
+            policy = make_policy(settings)
+            clock = generated = preemptions = 0
+            for iteration in range(profile.iterations):
+                requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
+                if name == "oracle":
+                    requests = sorted(requests, key=lambda r: -r.output_tokens)
+                result = simulate([(len(r.prompt.token_ids), r.output_tokens) for r in requests], policy,
+                                  kv_capacity_blocks=capacity_tokens // args.block_size, block_size=args.block_size,
+                                  max_num_seqs=b_max, token_budget=args.token_budget, step_time=model)
+                clock += result.makespan_s
+                generated += result.generated_tokens
+                preemptions += result.preemptions
+            real_tps = statistics.median(r["tokens_per_s"] for r in real)
+            sim_tps = generated / clock
+            real_rank[name], sim_rank[name] = real_tps, sim_tps
+            print(f"| {name} | {real_tps:.0f} | {sim_tps:.0f} | {sim_tps / real_tps - 1:+.1%} | "
+                  f"{statistics.median(r['preemptions'] for r in real):.0f} | {preemptions} |")
+        order = lambda d: sorted(d, key=d.get, reverse=True)  # noqa: E731
+        print(f"\nranking measured: {order(real_rank)}\nranking simulated: {order(sim_rank)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

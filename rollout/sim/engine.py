@@ -1,0 +1,144 @@
+"""A discrete-event simulator of vLLM V1's scheduling loop, driven by the same policy objects as the adapter.
+
+Per step, as vLLM's `Scheduler.schedule()` does: running requests first (decode one token, or the next chunk of
+a prefill), allocating KV blocks and preempting the newest running request (recompute) when blocks run out;
+then, only if nothing was preempted, waiting requests in FCFS order while the cap, the token budget and the
+blocks for the whole prompt allow. Step time comes from a fitted model (`StepTimeModel`).
+Not modelled yet: prefix caching across a group's samples, async scheduling's one-step overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout.policy import StepState
+
+
+@dataclass
+class StepTimeModel:
+    """seconds = base + per_seq * decode_seqs + per_kv_token * kv_tokens_read + per_prefill_token * prefill_tokens"""
+
+    base: float = 0.01
+    per_seq: float = 2e-5
+    per_kv_token: float = 1e-8
+    per_prefill_token: float = 5e-5
+
+    def __call__(self, decode_seqs: int, kv_tokens: int, prefill_tokens: int) -> float:
+        return (self.base + self.per_seq * decode_seqs + self.per_kv_token * kv_tokens
+                + self.per_prefill_token * prefill_tokens)
+
+
+@dataclass
+class SimRequest:
+    prompt_tokens: int
+    output_tokens: int
+    generated: int = 0
+    computed: int = 0  # tokens whose KV is in the cache
+    blocks: int = 0
+
+    @property
+    def target(self) -> int:  # tokens held: the prompt and every token generated so far
+        return self.prompt_tokens + self.generated
+
+    @property
+    def decoding(self) -> bool:  # only the last sampled token lacks its KV: a one-token decode step
+        return self.generated > 0 and self.computed == self.target - 1
+
+
+@dataclass
+class SimResult:
+    makespan_s: float
+    generated_tokens: int
+    preemptions: int
+    recomputed_tokens: int
+    steps: int
+    trace: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.makespan_s if self.makespan_s else 0.0
+
+
+def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
+             token_budget: int, step_time: StepTimeModel, keep_trace: bool = False) -> SimResult:
+    """Run `requests` ((prompt tokens, output tokens), in arrival order) to completion under `policy`."""
+    waiting = deque(SimRequest(p, o) for p, o in requests)
+    running: list[SimRequest] = []
+    free = kv_capacity_blocks
+    clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
+    pending_prompt = sum(p for p, _ in requests)
+    pending_max = sum(o for _, o in requests)
+    trace = []
+    while waiting or running:
+        pending = len(waiting) + len(running)
+        state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
+                          block_size=block_size, pending_prompt_tokens_mean=pending_prompt / pending,
+                          pending_max_tokens_mean=pending_max / pending)
+        if policy.needs_requests:
+            state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
+            state.running_remaining = np.array([r.output_tokens - r.generated for r in running], dtype=np.int64)
+            head = list(waiting)[:max(max_num_seqs - len(running), 0)]
+            state.waiting_tokens = np.array([r.prompt_tokens + r.generated for r in head], dtype=np.int64)
+            state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
+        cap = min(max(policy.batch_cap(state), len(running), 1), max_num_seqs)
+        budget, scheduled, preempted = token_budget, [], False
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = min(r.target - r.computed, budget) if r.computed < r.target else 1
+            need = math.ceil((r.computed + n) / block_size) - r.blocks
+            while need > free and running:
+                victim = running.pop()  # vLLM FCFS: the last admitted goes first
+                free += victim.blocks
+                recomputed += victim.computed
+                victim.blocks = victim.computed = 0
+                waiting.appendleft(victim)
+                preemptions += 1
+                preempted = True
+                if victim is r:
+                    break
+            if i >= len(running) or running[i] is not r:
+                continue
+            r.blocks += need
+            free -= need
+            scheduled.append((r, n))
+            budget -= n
+            i += 1
+        while not preempted and waiting and len(running) < cap and budget > 0:
+            r = waiting[0]
+            if math.ceil(r.target / block_size) > free:  # the whole prompt must fit before admission
+                break
+            n = min(r.target, budget)
+            waiting.popleft()
+            running.append(r)
+            r.blocks = math.ceil(n / block_size)
+            free -= r.blocks
+            scheduled.append((r, n))
+            budget -= n
+        if not scheduled:
+            raise ValueError(f"no progress: {len(waiting)} waiting requests, none fits {kv_capacity_blocks} blocks")
+        decode = sum(1 for r, _ in scheduled if r.decoding)
+        prefill = sum(n for r, n in scheduled if not r.decoding)
+        kv_read = sum(r.computed for r, _ in scheduled)
+        clock += step_time(decode, kv_read, prefill)
+        steps += 1
+        for r, n in scheduled:
+            was_prefill = r.computed < r.target
+            r.computed += n
+            if was_prefill and r.computed < r.target:
+                continue  # a prefill chunk that does not finish the prompt samples nothing
+            r.generated += 1
+            generated += 1
+            if r.generated >= r.output_tokens:
+                running.remove(r)
+                free += r.blocks
+                pending_prompt -= r.prompt_tokens
+                pending_max -= r.output_tokens
+                policy.observe_finished(r.prompt_tokens, r.output_tokens)
+        if keep_trace:
+            trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks))
+    return SimResult(clock, generated, preemptions, recomputed, steps, trace)

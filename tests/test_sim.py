@@ -1,0 +1,74 @@
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from rollout.policy import make_policy
+from rollout.sim import StepTimeModel, fit_step_time, simulate
+from rollout.workloads import ProfileConfig, profile_requests
+
+MODEL = StepTimeModel(base=0.01, per_seq=1e-4, per_kv_token=1e-7, per_prefill_token=1e-5)
+
+
+def workload(n=200, seed=0):
+    profile = ProfileConfig(num_prompts=n, prompt_tokens=64, median_output=150, max_output=800)
+    return [(len(r.prompt.token_ids), r.output_tokens) for r in profile_requests(profile, 0, seed)]
+
+
+@pytest.mark.parametrize("name", ["static", "memory", "memory-clt", "oracle"])
+def test_every_token_is_generated(name):
+    requests = workload()
+    result = simulate(requests, make_policy({"name": name, "b_max": 128, "eps_m": 0.05}), kv_capacity_blocks=600,
+                      block_size=16, max_num_seqs=128, token_budget=2048, step_time=MODEL)
+    assert result.generated_tokens == sum(o for _, o in requests)
+    assert result.makespan_s > 0
+    if name == "oracle":
+        assert result.preemptions == 0
+
+
+def test_tight_cache_preempts_and_ample_cache_does_not():
+    requests = workload()
+    static = make_policy({"name": "static", "b_max": 256})
+    tight = simulate(requests, static, kv_capacity_blocks=300, block_size=16, max_num_seqs=256, token_budget=4096,
+                     step_time=MODEL)
+    ample = simulate(requests, make_policy({"name": "static", "b_max": 256}), kv_capacity_blocks=100000,
+                     block_size=16, max_num_seqs=256, token_budget=4096, step_time=MODEL)
+    assert tight.preemptions > 0 and tight.recomputed_tokens > 0
+    assert ample.preemptions == 0
+    assert ample.makespan_s < tight.makespan_s
+
+
+def test_a_request_longer_than_the_cache_alone_still_finishes():
+    result = simulate([(40, 500)], make_policy({"name": "static", "b_max": 4}), kv_capacity_blocks=100,
+                      block_size=16, max_num_seqs=4, token_budget=512, step_time=MODEL)
+    assert result.generated_tokens == 500 and result.preemptions == 0
+
+
+def test_fit_recovers_a_known_step_time_model(tmp_path):
+    rng = np.random.default_rng(0)
+    capacity = 100000
+    steps, t = [], 0.0
+    for _ in range(3000):
+        running = int(rng.integers(1, 300))
+        scheduled = running + int(rng.integers(0, 2000)) * int(rng.random() < 0.2)
+        kv = float(rng.random())
+        steps.append([t, running, scheduled, kv, 0])
+        t += MODEL(running, kv * capacity, scheduled - running)
+    path = tmp_path / "steps-x.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"scheduler": "static-64", "rep": 0, "kv_capacity_tokens": capacity, "steps": steps}))
+    from rollout.sim.fit import step_rows
+
+    model, error = fit_step_time(step_rows(path))
+    assert model.base == pytest.approx(MODEL.base, rel=1e-3)
+    assert model.per_seq == pytest.approx(MODEL.per_seq, rel=1e-3)
+    assert model.per_kv_token == pytest.approx(MODEL.per_kv_token, rel=1e-3)
+    assert model.per_prefill_token == pytest.approx(MODEL.per_prefill_token, rel=1e-3)
+    assert error < 1e-6
+
+
+def test_a_prompt_larger_than_the_cache_is_an_error_not_a_hang():
+    with pytest.raises(ValueError, match="no progress"):
+        simulate([(4000, 10)], make_policy({"name": "static", "b_max": 4}), kv_capacity_blocks=10, block_size=16,
+                 max_num_seqs=4, token_budget=8192, step_time=MODEL)
