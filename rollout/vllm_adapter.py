@@ -67,7 +67,6 @@ class _DynamicBatchMixin:
         self._pending_prompt_tokens = 0
         self._pending_max_tokens = 0
         self._finished = 0
-        self._preempted = 0
         self._recomputed = 0
 
     def add_request(self, request) -> None:
@@ -103,7 +102,6 @@ class _DynamicBatchMixin:
         output = super().schedule(*args, **kwargs)
         self._step += 1
         preempted = len(getattr(output, "preempted_req_ids", None) or ())
-        self._preempted += preempted
         if num_running or num_waiting:
             now = time.monotonic()
             running_after, waiting_after = self.get_request_counts()
