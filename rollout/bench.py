@@ -75,6 +75,13 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
     return bench
 
 
+def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
+    """The policy settings a scheduler name stands for ("static-N": a fixed cap N that is also max_num_seqs)."""
+    if scheduler.startswith("static-"):
+        return {"name": "static", "b_max": int(scheduler[7:])}
+    return {"name": scheduler, "b_max": bench.b_max, "eps_m": bench.eps_m}
+
+
 def run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: str) -> RunConfig:
     max_len = bench.max_model_len or (int(profile.prompt_tokens * max(profile.scale, 1)) + profile.max_output + 16)
     model_cfg = {"path": model, "max_model_len": max_len, "dtype": bench.dtype if bench.gpu else "float32",
@@ -82,10 +89,7 @@ def run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model
     for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
         if getattr(profile, key) is not None:
             model_cfg[key] = getattr(profile, key)
-    if scheduler.startswith("static-"):
-        policy = {"name": "static", "b_max": int(scheduler[7:])}
-    else:
-        policy = {"name": scheduler, "b_max": bench.b_max, "eps_m": bench.eps_m}
+    policy = scheduler_policy(bench, scheduler)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
         "model": model_cfg, "data": {"source": "synthetic"}, "policy": policy, "output": {"stats_in": None},
         "sampling": {"n": 1, "ignore_eos": True, "temperature": 1.0, "seed": bench.seed}}))
@@ -155,8 +159,8 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
              "mean running | KV use | drain tail | policy % of step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
 
-    def med(runs, key, fmt):
-        values = [r[key] for r in runs if r[key] is not None]
+    def med(runs, key, fmt, scale=1.0):
+        values = [r[key] * scale for r in runs if r[key] is not None]
         return fmt.format(statistics.median(values)) if values else "-"
 
     for name in schedulers:
@@ -168,10 +172,10 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
         lines.append(
             f"| {name} | {statistics.median(tps):.0f} ({min(tps):.0f}-{max(tps):.0f}) | {ratio} | "
             f"{med(runs, 'makespan_s', '{:.1f}')} | {med(runs, 'preemptions', '{:.0f}')} | "
-            f"{med([{**r, 'p': None if r['recomputed_fraction'] is None else 100 * r['recomputed_fraction']} for r in runs], 'p', '{:.2f}')} | "
+            f"{med(runs, 'recomputed_fraction', '{:.2f}', 100)} | "
             f"{med(runs, 'mean_running', '{:.1f}')} | {med(runs, 'kv_usage_mean', '{:.2f}')} | "
             f"{med(runs, 'drain_tail_fraction', '{:.2f}')} | "
-            f"{med([{**r, 'p': None if r['policy_time_fraction'] is None else 100 * r['policy_time_fraction']} for r in runs], 'p', '{:.3f}')} |")
+            f"{med(runs, 'policy_time_fraction', '{:.3f}', 100)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -56,28 +56,27 @@ def _reasoning_gym_rows(name: str, size: int, seed: int) -> list[dict]:
     return rows
 
 
+NEWLINE = b"\n"
+
+
+def _parse_json(raw: bytes, source: Path, line: int):
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        bad_line = line + raw[:exc.start].count(NEWLINE)
+        raise DataError(f"{source} line {bad_line}: not valid UTF-8") from exc
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{source} line {line + exc.lineno - 1}: invalid JSON ({exc.msg})") from exc
+
+
 def _check_json_file(source: Path) -> None:
     """Name the first bad line of a JSON(L) file: datasets' own errors give neither line nor cause."""
     data = source.read_bytes()
     if source.suffix.lower() == ".json":
-        try:
-            json.loads(data.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            line = data[:exc.start].count(b"\n") + 1
-            raise DataError(f"{source} line {line}: not valid UTF-8") from exc
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{source} line {exc.lineno}: invalid JSON ({exc.msg})") from exc
+        _parse_json(data, source, 1)
         return
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{source} line {number}: not valid UTF-8") from exc
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{source} line {number}: invalid JSON ({exc.msg})") from exc
-        if not isinstance(row, dict):
+    for number, raw in enumerate(data.split(NEWLINE), start=1):
+        if raw.strip() and not isinstance(row := _parse_json(raw, source, number), dict):
             raise DataError(f"{source} line {number}: expected a JSON object, got {type(row).__name__}")
 
 

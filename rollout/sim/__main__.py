@@ -13,7 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from rollout.bench import load_bench_config
+from rollout.bench import load_bench_config, scheduler_policy
 from rollout.policy import make_policy
 from rollout.sim.engine import simulate
 from rollout.sim.fit import fit_step_time, step_rows
@@ -48,12 +48,9 @@ def main(argv: list[str] | None = None) -> int:
             real = [r for r in measured if r["profile"] == profile.name and r["scheduler"] == name]
             if not real:
                 continue
-            if name == "vllm":
-                settings, b_max = {"name": "static", "b_max": VLLM_DEFAULT_MAX_NUM_SEQS}, VLLM_DEFAULT_MAX_NUM_SEQS
-            elif name.startswith("static-"):
-                settings, b_max = {"name": "static", "b_max": int(name[7:])}, int(name[7:])
-            else:
-                settings, b_max = {"name": name, "b_max": bench.b_max, "eps_m": bench.eps_m}, bench.b_max
+            # vLLM untouched behaves as a fixed cap at its default max_num_seqs.
+            settings = scheduler_policy(bench, f"static-{VLLM_DEFAULT_MAX_NUM_SEQS}" if name == "vllm" else name)
+            b_max = settings["b_max"]
             policy = make_policy(settings)
             clock = generated = preemptions = 0
             for iteration in range(profile.iterations):
