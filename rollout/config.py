@@ -68,7 +68,7 @@ class SamplingConfig:
 
 @dataclass
 class PolicyConfig:
-    name: str = "memory"  # static | memory | memory-clt (oracle: benchmarks with imposed lengths only)
+    name: str = "memory"  # static | memory | memory-clt | sla (oracle: benchmarks with imposed lengths only)
     b_max: int = 256  # B_max, also vLLM's max_num_seqs (buffers are sized from it)
     b_min: int = 1
     static_cap: Optional[int] = None  # static policy's cap; None: b_max
@@ -78,6 +78,16 @@ class PolicyConfig:
     forgetting: str = "none"  # none | window | exponential
     window: int = 2048
     decay: float = 0.999
+    # sla (Algorithm 2 with Algorithm 1): D_SLA, the bound on a step's latency (the time between tokens).
+    d_sla_ms: Optional[float] = None
+    sla_eps_ms: Optional[float] = None  # eps_D, the band around D_SLA read as on target; None: 5% of d_sla_ms
+    sla_relax: float = 4.0  # alpha, in requests: how far the search's other bound steps back out per decision
+    sla_hold: float = 2.0  # delta, in requests: half-width kept around a batch that met the bound
+    sla_window: int = 8  # steps averaged per decision
+    sla_chunk: bool = True  # also size the token budget of steps that run prompt tokens (chunked prefill)
+    sla_chunk_min_tokens: int = 32
+    sla_chunk_relax_tokens: float = 64.0
+    sla_chunk_hold_tokens: float = 32.0
 
 
 @dataclass
@@ -148,6 +158,13 @@ def validate(cfg: RunConfig) -> None:
     need(p.forgetting in FORGETTING_MODES, f"policy.forgetting must be one of {FORGETTING_MODES}, got {p.forgetting!r}")
     need(p.window >= 2, f"policy.window must be >= 2, got {p.window}")
     need(0.0 < p.decay <= 1.0, f"policy.decay must be in (0, 1], got {p.decay}")
+    need(p.name != "sla" or (p.d_sla_ms is not None and p.d_sla_ms > 0),
+         f"policy.name=sla needs policy.d_sla_ms > 0 (the step latency bound in ms), got {p.d_sla_ms}")
+    need(p.sla_eps_ms is None or 0 <= p.sla_eps_ms, f"policy.sla_eps_ms must be >= 0, got {p.sla_eps_ms}")
+    need(p.sla_relax >= 0 and p.sla_hold >= 0 and p.sla_chunk_relax_tokens >= 0 and p.sla_chunk_hold_tokens >= 0,
+         "policy.sla_relax, sla_hold, sla_chunk_relax_tokens and sla_chunk_hold_tokens must be >= 0")
+    need(p.sla_window >= 1, f"policy.sla_window must be >= 1, got {p.sla_window}")
+    need(p.sla_chunk_min_tokens >= 1, f"policy.sla_chunk_min_tokens must be >= 1, got {p.sla_chunk_min_tokens}")
     need(s.n >= 1, f"sampling.n must be >= 1, got {s.n}")
     need(s.max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
     need(s.temperature >= 0.0, f"sampling.temperature must be >= 0, got {s.temperature}")

@@ -73,12 +73,38 @@ def read_trace_header(path: Path) -> dict:
     return header
 
 
+def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: Path | None,
+                  stats_out: Path) -> dict:
+    """vLLM engine arguments for a run: our scheduler (unless policy "vllm") with its settings, the model and
+    KV sizing. Shared by the offline driver (vllm.LLM) and the online server (AsyncLLM)."""
+    from vllm.platforms import current_platform
+
+    from rollout.vllm_adapter import adapter_settings, scheduler_class_path
+
+    m, p = cfg.model, cfg.policy
+    async_scheduling = False if current_platform.is_cpu() else m.async_scheduling is not False
+    stats_options = {"forgetting": p.forgetting, "window": p.window, "decay": p.decay}
+    kwargs = dict(
+        model=model_path, dtype=m.dtype, max_model_len=m.max_model_len,
+        seed=cfg.sampling.seed, enforce_eager=m.enforce_eager, tensor_parallel_size=m.tensor_parallel_size,
+        enable_prefix_caching=m.enable_prefix_caching, disable_log_stats=False, async_scheduling=async_scheduling,
+    )
+    if p.name != "vllm":  # "vllm": vLLM's own scheduler and default max_num_seqs, the baseline
+        kwargs.update(max_num_seqs=p.b_max, scheduler_cls=scheduler_class_path(async_scheduling),
+                      additional_config=adapter_settings(asdict(p), str(trace_path),
+                                                         str(stats_in) if stats_in else None,
+                                                         str(stats_out), stats_options))
+    for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
+        if getattr(m, key) is not None:
+            kwargs[key] = getattr(m, key)
+    kwargs.update(m.engine_kwargs)
+    return kwargs
+
+
 class RolloutEngine:
     def __init__(self, cfg: RunConfig, workdir: str | os.PathLike) -> None:
         from vllm import LLM
         from vllm.platforms import current_platform
-
-        from rollout.vllm_adapter import adapter_settings, scheduler_class_path
 
         self.cfg = cfg
         self.workdir = Path(workdir)
@@ -87,30 +113,13 @@ class RolloutEngine:
         self.stats_out = Path(cfg.output.stats_out) if cfg.output.stats_out else self.workdir / STATS_FILE
         self.stats_in = self._stats_prior()
         self.model_path = resolve_model(cfg.model.path)
-        m, p = cfg.model, cfg.policy
-        async_scheduling = False if current_platform.is_cpu() else m.async_scheduling is not False
         # vLLM 0.32's CPU runner crashes on seeded requests whose prefill is chunked ("CPU Generator does not
         # use offset"); there the engine seed alone makes runs reproducible.
         self.per_request_seeds = not current_platform.is_cpu()
-        stats_options = {"forgetting": p.forgetting, "window": p.window, "decay": p.decay}
-        kwargs = dict(
-            model=self.model_path, dtype=m.dtype, max_model_len=m.max_model_len,
-            seed=cfg.sampling.seed, enforce_eager=m.enforce_eager, tensor_parallel_size=m.tensor_parallel_size,
-            enable_prefix_caching=m.enable_prefix_caching, disable_log_stats=False, async_scheduling=async_scheduling,
-        )
-        if p.name != "vllm":  # "vllm": vLLM's own scheduler and default max_num_seqs, the baseline
-            kwargs.update(max_num_seqs=p.b_max, scheduler_cls=scheduler_class_path(async_scheduling),
-                          additional_config=adapter_settings(asdict(p), str(self.trace_path),
-                                                             str(self.stats_in) if self.stats_in else None,
-                                                             str(self.stats_out), stats_options))
-        for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
-            if getattr(m, key) is not None:
-                kwargs[key] = getattr(m, key)
-        kwargs.update(m.engine_kwargs)
         start = time.monotonic()
-        self.llm = LLM(**kwargs)
+        self.llm = LLM(**engine_kwargs(cfg, self.model_path, self.trace_path, self.stats_in, self.stats_out))
         self.engine_start_s = time.monotonic() - start
-        self.tokenizer = None if m.engine_kwargs.get("skip_tokenizer_init") else self.llm.get_tokenizer()
+        self.tokenizer = None if cfg.model.engine_kwargs.get("skip_tokenizer_init") else self.llm.get_tokenizer()
         self.header = read_trace_header(self.trace_path)
 
     def _stats_prior(self) -> Path | None:

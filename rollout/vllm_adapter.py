@@ -8,6 +8,13 @@ to files the driver reads back.
 The cap knob depends on the installed vLLM: 0.32 has `max_num_active_reqs` (admission only, safe to move
 between steps); 0.26 has only `max_num_running_reqs`, which it also asserts against the running count, so the
 cap is never set below that. `max_num_seqs` stays at B_max because the model runner sizes buffers from it.
+A policy may also set the step's token budget (`max_num_scheduled_tokens`, read fresh by every schedule()).
+
+Step latency (the time between tokens a decoding request sees) is measured here, where the step happens: a
+step's latency is the time from the later of its schedule() and the previous step's output to its own
+update_from_output(). With synchronous scheduling that is schedule + forward + sampling of the step; with async
+scheduling (step N+1 is scheduled while N runs) it is the interval between consecutive outputs, which is what a
+streaming client sees, without idle gaps. The per-step trace record is written when the step's output arrives.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import itertools
 import json
 import math
 import time
+from collections import OrderedDict
 
 import numpy as np
 from pathlib import Path
@@ -68,6 +76,9 @@ class _DynamicBatchMixin:
         self._pending_max_tokens = 0
         self._finished = 0
         self._recomputed = 0
+        self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
+        self._in_flight: OrderedDict[int, tuple[float, dict | None]] = OrderedDict()  # id(output) -> start, record
+        self._last_output_t = 0.0
 
     def add_request(self, request) -> None:
         super().add_request(request)
@@ -96,33 +107,66 @@ class _DynamicBatchMixin:
         if self.batch_policy.needs_requests:
             self._describe_requests(state)
         cap = min(max(self.batch_policy.batch_cap(state), num_running, 1), self.max_cap)
+        budget = None
+        if self._max_step_tokens is not None:
+            budget = self.batch_policy.token_budget(self._max_step_tokens, num_running)
+            self.max_num_scheduled_tokens = self._max_step_tokens if budget is None else max(budget, 1)
         policy_us = (time.perf_counter() - started) * 1e6
         setattr(self, self._cap_attr, cap)
         self._recomputed = 0
+        step_start = time.monotonic()
         output = super().schedule(*args, **kwargs)
         self._step += 1
         preempted = len(getattr(output, "preempted_req_ids", None) or ())
+        record = None
         if num_running or num_waiting:
-            now = time.monotonic()
             running_after, waiting_after = self.get_request_counts()
             record = {
-                "step": self._step, "t": round(now - self._t0, 4), "cap": cap,
+                "step": self._step, "t": round(step_start - self._t0, 4), "cap": cap,
                 "running": running_after, "waiting": waiting_after,
                 "kv_usage": round(self.kv_cache_manager.usage, 4), "preempted": preempted,
                 "scheduled_tokens": output.total_num_scheduled_tokens, "finished": self._finished,
                 "recomputed_tokens": self._recomputed, "policy_us": round(policy_us, 1),
             }
+            if budget is not None:
+                record["token_budget"] = self.max_num_scheduled_tokens
             for key, value in self.batch_policy.trace_fields().items():
                 if isinstance(value, float):
                     value = None if math.isnan(value) else round(value, 3)
                 record[key] = value
             if record.get("safety_buffer_blocks") is not None:
                 record["safety_buffer_tokens"] = round(record["safety_buffer_blocks"] * self.block_size, 1)
-            self._trace.write(json.dumps(record) + "\n")
-            if now - self._last_flush > 0.5:  # the driver's progress bar follows the file
-                self._trace.flush()
-                self._last_flush = now
+        self._in_flight[id(output)] = (step_start, record)
+        while len(self._in_flight) > 16:  # an output that never came back (should not happen) is not kept
+            _, (_, lost) = self._in_flight.popitem(last=False)
+            self._write(lost)
         return output
+
+    def _write(self, record: dict | None) -> None:
+        if record is None:
+            return
+        self._trace.write(json.dumps(record) + "\n")
+        now = time.monotonic()
+        if now - self._last_flush > 0.5:  # the driver's progress bar follows the file
+            self._trace.flush()
+            self._last_flush = now
+
+    def _step_done(self, scheduler_output) -> None:
+        now = time.monotonic()
+        start, record = self._in_flight.pop(id(scheduler_output), (None, None))
+        if start is None:
+            return
+        latency = now - max(start, self._last_output_t)
+        self._last_output_t = now
+        per_request = scheduler_output.num_scheduled_tokens
+        decode_requests = sum(1 for n in per_request.values() if n == 1)
+        prefill_tokens = scheduler_output.total_num_scheduled_tokens - decode_requests
+        if scheduler_output.total_num_scheduled_tokens:
+            self.batch_policy.observe_step(latency, decode_requests, prefill_tokens)
+        if record is not None:
+            record.update(step_ms=round(latency * 1e3, 3), decode_requests=decode_requests,
+                          prefill_tokens=prefill_tokens)
+            self._write(record)
 
     def _describe_requests(self, state: StepState) -> None:
         def tokens_and_remaining(requests):
@@ -141,8 +185,9 @@ class _DynamicBatchMixin:
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again
         return super()._preempt_request(request, *args, **kwargs)
 
-    def update_from_output(self, *args, **kwargs):
-        outputs = super().update_from_output(*args, **kwargs)
+    def update_from_output(self, scheduler_output, *args, **kwargs):
+        outputs = super().update_from_output(scheduler_output, *args, **kwargs)
+        self._step_done(scheduler_output)
         if not self.has_unfinished_requests():
             # A generate() call ends here: make the trace and statistics durable before its last output leaves.
             self._flush()
@@ -160,6 +205,9 @@ class _DynamicBatchMixin:
 
     def shutdown(self) -> None:
         try:
+            for _, record in self._in_flight.values():
+                self._write(record)
+            self._in_flight.clear()
             self._flush()
             self._trace.close()
         finally:

@@ -13,6 +13,7 @@ from typing import Any
 
 from rollout.policy.length_stats import LengthStats
 from rollout.policy.memory import clamp_cap, clt_batch_bound, memory_batch_size, overflow_quantile, safety_buffer
+from rollout.policy.sla import SLAController, StepWindow
 
 
 @dataclass
@@ -50,6 +51,13 @@ class StaticPolicy:
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
         self.stats.observe(prompt_tokens, output_tokens)
+
+    def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
+        """One finished engine step: its latency, how many requests decoded, how many prompt tokens it ran."""
+
+    def token_budget(self, max_step_tokens: int, num_running: int) -> int | None:
+        """This step's token budget (chunked prefill), or None to leave vLLM's as configured."""
+        return None
 
     def trace_fields(self) -> dict:
         return {"stats_count": self.stats.count}
@@ -132,6 +140,60 @@ class CLTPolicy(MemoryPolicy):
         return math.floor(clt_batch_bound(state.kv_capacity_blocks, mean, std, self.theta))
 
 
+class SLAPolicy(MemoryPolicy):
+    """The paper's combined cap min(b_mem, b_sla): Algorithm 1 for memory, Algorithm 2 (`sla.SLAController`)
+    for the latency bound, read from every step that decodes. Steps that also run prompt tokens drive a second
+    search of the same kind over the prefill chunk, which sets the step's token budget (running decodes +
+    chunk), so that mixed steps meet the bound too. The bound is on the mean step latency, as in the paper."""
+
+    name = "sla"
+
+    def __init__(self, target_s: float, eps_m: float, max_cap: int, min_cap: int = 1, update_every: int = 16,
+                 min_observations: int = 8, stats: LengthStats | None = None, tolerance_s: float | None = None,
+                 relax: float = 4.0, hold: float = 2.0, window: int = 8, chunk: bool = True,
+                 chunk_min_tokens: int = 32, chunk_relax_tokens: float = 64.0,
+                 chunk_hold_tokens: float = 32.0) -> None:
+        super().__init__(eps_m, max_cap, min_cap, update_every, min_observations, stats)
+        self.batch_search = SLAController(target_s, min_cap, max_cap, relax, hold, tolerance_s)
+        self.decode_window = StepWindow(window)
+        self.chunk = chunk
+        self.chunk_settings = (chunk_min_tokens, chunk_relax_tokens, chunk_hold_tokens)
+        self.chunk_search: SLAController | None = None  # sized once the engine's token budget is known
+        self.mixed_window = StepWindow(window)
+        self.memory_cap = max_cap
+
+    def batch_cap(self, state: StepState) -> int:
+        self.memory_cap = super().batch_cap(state)  # keeps Algorithm 1's own b_{t-1} in self.cap
+        return clamp_cap(min(self.memory_cap, self.batch_search.value), state.num_running, self.min_cap,
+                         self.max_cap)
+
+    def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
+        # A decoding request waits for every step it is part of, prompt chunks included: those are its decode
+        # latency. Steps that ran prompt tokens also tell the chunk search how large a chunk the bound allows.
+        if decode_requests and (means := self.decode_window.add(latency_s, decode_requests)):
+            self.batch_search.update(*means)
+        if prefill_tokens and self.chunk_search is not None and (
+                means := self.mixed_window.add(latency_s, prefill_tokens)):
+            self.chunk_search.update(*means)
+
+    def token_budget(self, max_step_tokens: int, num_running: int) -> int | None:
+        if not self.chunk:
+            return None
+        if self.chunk_search is None:
+            low, relax, hold = self.chunk_settings
+            self.chunk_search = SLAController(self.batch_search.target_s, min(low, max_step_tokens),
+                                              max_step_tokens, relax, hold, self.batch_search.tolerance_s)
+        return min(max_step_tokens, num_running + self.chunk_search.value)
+
+    def trace_fields(self) -> dict:
+        fields = super().trace_fields()
+        search = self.batch_search
+        fields.update(memory_cap=self.memory_cap, sla_cap=search.value, sla_low=search.low, sla_high=search.high)
+        if self.chunk_search is not None:
+            fields["sla_chunk_tokens"] = self.chunk_search.value
+        return fields
+
+
 class FallbackPolicy:
     """Runs a policy; if it ever raises, warns once and continues with a static cap (over the same statistics)
     for the rest of the run, so a policy bug costs throughput, never the rollout."""
@@ -172,6 +234,19 @@ class FallbackPolicy:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 
+    def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
+        try:
+            self.policy.observe_step(latency_s, decode_requests, prefill_tokens)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def token_budget(self, max_step_tokens: int, num_running: int) -> int | None:
+        try:
+            return self.policy.token_budget(max_step_tokens, num_running)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+            return None
+
     def trace_fields(self) -> dict:
         fields = self.policy.trace_fields()
         if self.error:
@@ -179,7 +254,7 @@ class FallbackPolicy:
         return fields
 
 
-POLICIES = {cls.name: cls for cls in (StaticPolicy, MemoryPolicy, CLTPolicy)}
+POLICIES = {cls.name: cls for cls in (StaticPolicy, MemoryPolicy, CLTPolicy, SLAPolicy)}
 # Benchmark references, never defaults: "oracle" reads true lengths from max_tokens; "vllm" runs vLLM's own
 # scheduler untouched (no adapter, vLLM's default max_num_seqs).
 BENCHMARK_POLICIES = ("oracle", "vllm")
@@ -197,8 +272,18 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
     if name == "static":
         return StaticPolicy(int(settings.get("static_cap") or max_cap), max_cap, stats)
-    return POLICIES[name](
-        eps_m=float(settings["eps_m"]), max_cap=max_cap, min_cap=int(settings.get("b_min", 1)),
-        update_every=int(settings.get("update_every", 16)),
-        min_observations=int(settings.get("min_observations", 8)), stats=stats,
-    )
+    memory = dict(eps_m=float(settings["eps_m"]), max_cap=max_cap, min_cap=int(settings.get("b_min", 1)),
+                  update_every=int(settings.get("update_every", 16)),
+                  min_observations=int(settings.get("min_observations", 8)), stats=stats)
+    if name == "sla":
+        if not settings.get("d_sla_ms"):
+            raise ValueError("policy sla needs d_sla_ms, the step latency bound in milliseconds")
+        eps_ms = settings.get("sla_eps_ms")
+        return SLAPolicy(
+            target_s=float(settings["d_sla_ms"]) / 1e3, tolerance_s=None if eps_ms is None else float(eps_ms) / 1e3,
+            relax=float(settings.get("sla_relax", 4)), hold=float(settings.get("sla_hold", 2)),
+            window=int(settings.get("sla_window", 8)), chunk=bool(settings.get("sla_chunk", True)),
+            chunk_min_tokens=int(settings.get("sla_chunk_min_tokens", 32)),
+            chunk_relax_tokens=float(settings.get("sla_chunk_relax_tokens", 64)),
+            chunk_hold_tokens=float(settings.get("sla_chunk_hold_tokens", 32)), **memory)
+    return POLICIES[name](**memory)
