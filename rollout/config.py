@@ -122,6 +122,8 @@ def load_config(overrides: list[str] | None = None, config_file: str | None = No
                 raise ConfigError(f"config file {config_file} does not exist")
             cfg = OmegaConf.merge(cfg, OmegaConf.load(config_file))
         if overrides:
+            # `policy=sla` is short for `policy.name=sla`.
+            overrides = [f"policy.name={o[7:]}" if o.startswith("policy=") else o for o in overrides]
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         run: RunConfig = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:

@@ -274,6 +274,14 @@ class RolloutEngine:
                 "first_step_stats_count": steps[0].get("stats_count"),
                 "series": downsample(steps, SERIES_POINTS),
             })
+            timed = [s for s in steps if s.get("step_ms") is not None and s.get("decode_requests")]
+            if timed:
+                # What a decoding request waits per token: step latency weighted by the requests it decoded.
+                step_ms = np.array([s["step_ms"] for s in timed])
+                weights = np.array([s["decode_requests"] for s in timed])
+                summary["decode_step_ms"] = {"mean": round(float(np.average(step_ms, weights=weights)), 3),
+                                             "p50": round(float(np.percentile(step_ms, 50)), 3),
+                                             "p99": round(float(np.percentile(step_ms, 99)), 3)}
         rewards = [r["reward"] for r in records if "reward" in r]
         if rewards:
             summary["reward_mean"] = float(np.mean(rewards))

@@ -11,6 +11,11 @@ def test_defaults_and_dotlist_overrides():
     assert cfg.model.path == "smollm2-135m-instruct"  # the embedded default
 
 
+def test_policy_shorthand_and_sla_settings():
+    cfg = load_config(["policy=sla", "policy.d_sla_ms=50", "policy.sla_window=4"])
+    assert (cfg.policy.name, cfg.policy.d_sla_ms, cfg.policy.sla_window) == ("sla", 50.0, 4)
+
+
 def test_config_file_is_merged(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("policy:\n  b_max: 64\nsampling:\n  max_tokens: 99\n")
@@ -32,6 +37,10 @@ def test_config_file_is_merged(tmp_path):
     (["policy.colour=red"], "Key 'colour' not in 'PolicyConfig'"),
     (["sampling.n=many"], "Value 'many' of type 'str' could not be converted to Integer"),
     (["output.formats=[csv]"], "output.formats must be a non-empty subset"),
+    (["policy=sla"], "policy.name=sla needs policy.d_sla_ms > 0"),
+    (["policy=sla", "policy.d_sla_ms=-3"], "policy.name=sla needs policy.d_sla_ms > 0"),
+    (["policy.sla_window=0"], "policy.sla_window must be >= 1, got 0"),
+    (["policy.sla_relax=-1"], "must be >= 0"),
 ])
 def test_bad_values_fail_with_one_clear_message(overrides, message):
     with pytest.raises(ConfigError) as info:

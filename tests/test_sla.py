@@ -104,6 +104,9 @@ def test_step_window_averages_full_windows_only():
     assert window.add(0.02, 5) is None
     assert window.add(0.03, 6) == pytest.approx((0.02, 5.0))
     assert window.add(0.05, 1) is None
+    weighted = StepWindow(2)
+    weighted.add(0.010, 30, weight=30)
+    assert weighted.add(0.040, 10, weight=10) == pytest.approx((0.0175, 20.0))  # (0.3 + 0.4) / 40
 
 
 def state(running=0, waiting=100, blocks=10_000, block_size=16):

@@ -170,7 +170,7 @@ class SLAPolicy(MemoryPolicy):
     def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
         # A decoding request waits for every step it is part of, prompt chunks included: those are its decode
         # latency. Steps that ran prompt tokens also tell the chunk search how large a chunk the bound allows.
-        if decode_requests and (means := self.decode_window.add(latency_s, decode_requests)):
+        if decode_requests and (means := self.decode_window.add(latency_s, decode_requests, decode_requests)):
             self.batch_search.update(*means)
         if prefill_tokens and self.chunk_search is not None and (
                 means := self.mixed_window.add(latency_s, prefill_tokens)):

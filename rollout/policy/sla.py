@@ -71,20 +71,26 @@ class SLAController:
 
 @dataclass
 class StepWindow:
-    """Means of step latency and batch over the last `size` steps, handed over once the window is full."""
+    """Means of step latency and batch over the last `size` steps, handed over once the window is full.
+
+    Latency is averaged with weights: weighting each step by the requests it decoded gives the mean time
+    between tokens those requests saw, which a step-count mean understates when slow steps carry more of them.
+    """
 
     size: int = 8
     _latency: float = 0.0
+    _weight: float = 0.0
     _batch: float = 0.0
     _count: int = 0
 
-    def add(self, latency_s: float, batch: float) -> tuple[float, float] | None:
-        self._latency += latency_s
+    def add(self, latency_s: float, batch: float, weight: float = 1.0) -> tuple[float, float] | None:
+        self._latency += latency_s * weight
+        self._weight += weight
         self._batch += batch
         self._count += 1
         if self._count < self.size:
             return None
-        means = (self._latency / self._count, self._batch / self._count)
-        self._latency = self._batch = 0.0
+        means = (self._latency / self._weight if self._weight else 0.0, self._batch / self._count)
+        self._latency = self._weight = self._batch = 0.0
         self._count = 0
         return means
