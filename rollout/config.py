@@ -84,7 +84,9 @@ class PolicyConfig:
     sla_relax: float = 4.0  # alpha, in requests: how far the search's other bound steps back out per decision
     sla_hold: float = 2.0  # delta, in requests: half-width kept around a batch that met the bound
     sla_window: int = 8  # steps averaged per decision
-    sla_chunk: bool = True  # also size the token budget of steps that run prompt tokens (chunked prefill)
+    # Also size the token budget of steps that run prompt tokens (the paper's chunked-prefill use). Off by
+    # default: on an H200 it lowered capacity under a 30 ms bound (docs/benchmarks.md, "Capacity under an SLA").
+    sla_chunk: bool = False
     sla_chunk_min_tokens: int = 32
     sla_chunk_relax_tokens: float = 64.0
     sla_chunk_hold_tokens: float = 32.0

@@ -9,7 +9,8 @@ Capacity, as in Sarathi-Serve and the paper: the largest rate at which the TBT s
 mean) stays within D_SLA while the server keeps up (median TTFT within `max_queue_delay_s`; past capacity the
 queue grows and TTFT with it). Found per scheduler by doubling the rate until a trial fails, then bisecting.
 Schedulers: "vllm" (untouched, its default max_num_seqs), "static-N" (our adapter, fixed cap N), "sla" (the
-paper's min(b_mem, b_sla) with the SLA-sized token budget), "sla-nochunk" (the same without the token budget).
+paper's min(b_mem, b_sla) on the batch cap), "sla-chunk" (the same, and the SLA search also sizes the token
+budget of steps that run prompt tokens).
 
 Writes results.json, results.md and capacity.png (TBT and TTFT against rate per scheduler).
 """
@@ -65,7 +66,7 @@ class CapacityConfig:
     out_dir: str = "runs/online"
 
 
-SCHEDULERS = ("vllm", "sla", "sla-nochunk")
+SCHEDULERS = ("vllm", "sla", "sla-chunk")
 
 
 def load_capacity_config(path: str | None, overrides: list[str]) -> CapacityConfig:
@@ -82,7 +83,7 @@ def load_capacity_config(path: str | None, overrides: list[str]) -> CapacityConf
         raise ConfigError(str(exc).splitlines()[0]) from exc
     for name in capacity.schedulers:
         if name not in SCHEDULERS and not (name.startswith("static-") and name[7:].isdigit()):
-            raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, sla, sla-nochunk)")
+            raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, sla, sla-chunk)")
     if capacity.criterion not in ("p99", "mean"):
         raise ConfigError(f"criterion must be p99 or mean, got {capacity.criterion!r}")
     if not 0 < capacity.start_qps <= capacity.max_qps:
@@ -100,7 +101,7 @@ def run_config(capacity: CapacityConfig, scheduler: str, model: str) -> RunConfi
         policy = {"name": "vllm"}
     else:
         policy = {"name": "sla", "b_max": capacity.b_max, "d_sla_ms": capacity.controller_target_ms or capacity.d_sla_ms,
-                  "sla_chunk": scheduler == "sla"}
+                  "sla_chunk": scheduler == "sla-chunk"}
     model_cfg = {"path": model, "max_model_len": capacity.max_model_len or w.prompt_tokens + w.max_output + 16,
                  "dtype": capacity.dtype if capacity.gpu else "float32", "enforce_eager": not capacity.gpu,
                  "engine_kwargs": GPU_ENGINE if capacity.gpu else {"skip_tokenizer_init": True}}

@@ -138,7 +138,7 @@ def test_combined_cap_is_the_smaller_of_memory_and_latency():
 
 
 def test_prefill_steps_drive_the_token_budget_and_every_decoding_step_the_cap():
-    policy = sla_policy()
+    policy = sla_policy(sla_chunk=True)
     budget = policy.token_budget(max_step_tokens=2048, num_running=10)
     assert budget == 10 + (32 + 2048) // 2
     cap_before = policy.batch_search.value
@@ -158,6 +158,7 @@ def test_prefill_steps_drive_the_token_budget_and_every_decoding_step_the_cap():
     assert policy.batch_search.value == cap
     assert policy.token_budget(2048, 10) <= 2048
     assert sla_policy(sla_chunk=False).token_budget(2048, 10) is None
+    assert sla_policy().token_budget(2048, 10) is None  # off unless asked for
 
 
 def test_sla_needs_a_latency_bound():
@@ -190,7 +191,7 @@ def test_sla_policy_bounds_step_latency_in_the_engine(tiny_model, tmp_path):
     full = [s["step_ms"] for s in static if s["decode_requests"] >= 200 and not s["prefill_tokens"]]
     assert len(full) > 50 and all("step_ms" in s and "decode_requests" in s for s in static)
     target_ms = 0.7 * float(np.median(full))
-    with RolloutEngine(config({"name": "sla", "d_sla_ms": target_ms}), tmp_path / "sla") as engine:
+    with RolloutEngine(config({"name": "sla", "d_sla_ms": target_ms, "sla_chunk": True}), tmp_path / "sla") as engine:
         trace = engine.generate(prompts, progress=False, max_tokens=lengths).trace
     busy = [s for s in trace if s["waiting"]]  # while requests wait, only the policy holds the batch back
     settled = busy[len(busy) // 2:]

@@ -150,7 +150,7 @@ class SLAPolicy(MemoryPolicy):
 
     def __init__(self, target_s: float, eps_m: float, max_cap: int, min_cap: int = 1, update_every: int = 16,
                  min_observations: int = 8, stats: LengthStats | None = None, tolerance_s: float | None = None,
-                 relax: float = 4.0, hold: float = 2.0, window: int = 8, chunk: bool = True,
+                 relax: float = 4.0, hold: float = 2.0, window: int = 8, chunk: bool = False,
                  chunk_min_tokens: int = 32, chunk_relax_tokens: float = 64.0,
                  chunk_hold_tokens: float = 32.0) -> None:
         super().__init__(eps_m, max_cap, min_cap, update_every, min_observations, stats)
@@ -282,7 +282,7 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
         return SLAPolicy(
             target_s=float(settings["d_sla_ms"]) / 1e3, tolerance_s=None if eps_ms is None else float(eps_ms) / 1e3,
             relax=float(settings.get("sla_relax", 4)), hold=float(settings.get("sla_hold", 2)),
-            window=int(settings.get("sla_window", 8)), chunk=bool(settings.get("sla_chunk", True)),
+            window=int(settings.get("sla_window", 8)), chunk=bool(settings.get("sla_chunk", False)),
             chunk_min_tokens=int(settings.get("sla_chunk_min_tokens", 32)),
             chunk_relax_tokens=float(settings.get("sla_chunk_relax_tokens", 64)),
             chunk_hold_tokens=float(settings.get("sla_chunk_hold_tokens", 32)), **memory)
