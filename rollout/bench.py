@@ -2,7 +2,8 @@
 
 Every scheduler on every workload profile, interleaved (each repetition runs all schedulers before the next
 one starts), in one process on one machine. Schedulers: "vllm" (vLLM untouched, its default max_num_seqs),
-"static-N" (our adapter with a fixed cap N = max_num_seqs), "memory" (Algorithm 1), "memory-clt", and
+"static-N" (our adapter with a fixed cap N = max_num_seqs), "memory" (Algorithm 1), "memory-clt", "forecast"
+(length-aware admission from censored length estimates), and
 "oracle" (true lengths, longest first; a reference, not a policy one can deploy).
 
 Writes results.json, results.md (a table per profile), throughput.png (median and spread per scheduler) and
@@ -69,9 +70,9 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
             raise ConfigError(f"only: no profile named {sorted(unknown)}")
         bench.profiles = [p for p in bench.profiles if p.name in bench.only]
     for name in bench.schedulers:
-        if name not in ("vllm", "memory", "memory-clt", "oracle") and not (
+        if name not in ("vllm", "memory", "memory-clt", "forecast", "oracle") and not (
                 name.startswith("static-") and name[7:].isdigit()):
-            raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, oracle)")
+            raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, forecast, oracle)")
     return bench
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rollout.policy.policies import BENCHMARK_POLICIES, POLICIES
+from rollout.policy.policies import BENCHMARK_POLICIES, LENGTH_AWARE_POLICIES, POLICIES
 from rollout.policy.length_stats import FORGETTING_MODES
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
@@ -68,7 +68,7 @@ class SamplingConfig:
 
 @dataclass
 class PolicyConfig:
-    name: str = "memory"  # static | memory | memory-clt | sla (oracle: benchmarks with imposed lengths only)
+    name: str = "memory"  # static | memory | memory-clt | sla | forecast (oracle: benchmarks only)
     b_max: int = 256  # B_max, also vLLM's max_num_seqs (buffers are sized from it)
     b_min: int = 1
     static_cap: Optional[int] = None  # static policy's cap; None: b_max
@@ -147,8 +147,8 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
-    need(p.name in POLICIES or p.name in BENCHMARK_POLICIES,
-         f"policy.name: unknown policy {p.name!r}; choose one of {sorted(POLICIES)}")
+    need(p.name in POLICIES or p.name in LENGTH_AWARE_POLICIES or p.name in BENCHMARK_POLICIES,
+         f"policy.name: unknown policy {p.name!r}; choose one of {sorted([*POLICIES, *LENGTH_AWARE_POLICIES])}")
     need(p.name != "oracle" or s.ignore_eos,
          f"policy.name={p.name} takes max_tokens as each request's true length: it needs sampling.ignore_eos=true")
     need(0.0 < p.eps_m < 1.0, f"policy.eps_m must be in (0, 1), got {p.eps_m}")

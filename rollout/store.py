@@ -1,6 +1,6 @@
 """The output folder of a run, made so that no work is lost: a manifest that fingerprints what is being
-generated, samples appended to samples.jsonl as they finish (flushed and fsynced in batches), and, once every
-sample exists, the final files (samples.jsonl sorted, samples.parquet) replaced atomically.
+generated, samples appended to samples.jsonl as they finish (flushed in batches, fsynced in the background),
+and, once every sample exists, the final files (samples.jsonl sorted, samples.parquet) replaced atomically.
 
 A run killed at any moment and started again with the same command finds the manifest, keeps every complete
 line, drops a torn last line, and generates only what is missing. A changed configuration or prompt set is
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 MANIFEST_FILE = "manifest.json"
@@ -74,6 +75,8 @@ class SampleStore:
         self.samples_path = self.dir / SAMPLES_FILE
         self.done: dict[tuple[str, int], dict] = {}
         self._log = None
+        self._dirty = threading.Event()
+        self._syncer: threading.Thread | None = None
 
     def open(self) -> dict[tuple[str, int], dict]:
         """Prepare the folder; returns the samples already durable, keyed by (prompt id, sample index)."""
@@ -99,7 +102,22 @@ class SampleStore:
         atomic_write(manifest_path, lambda p: p.write_text(json.dumps(
             {"version": MANIFEST_VERSION, "fingerprint": self.expected}, indent=1)))
         self._log = self.samples_path.open("a", encoding="utf-8")
+        self._syncer = threading.Thread(target=self._sync_loop, args=(self._log,), daemon=True,
+                                        name="samples-fsync")
+        self._syncer.start()
         return dict(self.done)
+
+    def _sync_loop(self, log) -> None:
+        # fsync can stall for seconds on a busy disk; the generation loop must not wait for it.
+        while True:
+            self._dirty.wait()
+            self._dirty.clear()
+            if log.closed:
+                return
+            try:
+                os.fsync(log.fileno())
+            except (OSError, ValueError):  # closed under us: close() syncs itself
+                return
 
     def _read_durable(self) -> dict[tuple[str, int], dict]:
         if not self.samples_path.exists():
@@ -122,12 +140,13 @@ class SampleStore:
         return done
 
     def append(self, records: list[dict]) -> None:
-        """Make a batch of finished samples durable."""
+        """Make a batch of finished samples durable: written and flushed here (safe from a killed process), and
+        fsynced by a background thread (safe from a machine crash moments later; always before finalize)."""
         if not records:
             return
         self._log.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         self._log.flush()
-        os.fsync(self._log.fileno())
+        self._dirty.set()
         for r in records:
             self.done[(r["prompt_id"], r["sample_index"])] = r
 
@@ -159,5 +178,10 @@ class SampleStore:
 
     def close(self) -> None:
         if self._log is not None:
-            self._log.close()
-            self._log = None
+            log, self._log = self._log, None
+            log.flush()
+            os.fsync(log.fileno())
+            log.close()
+            self._dirty.set()  # wakes the syncer, which sees the closed file and ends
+            if self._syncer is not None:
+                self._syncer.join(timeout=5)

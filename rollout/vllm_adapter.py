@@ -175,11 +175,15 @@ class _DynamicBatchMixin:
                                count=len(requests))
             return held, left
 
+        def generated(requests):
+            return np.fromiter((r.num_output_tokens for r in requests), dtype=np.int64, count=len(requests))
+
         state.running_tokens, state.running_remaining = tokens_and_remaining(self.running)
         # Preempted requests wait at the front; only as many as the cap could still admit matter.
         headroom = self.max_cap - len(self.running)
         waiting = list(itertools.islice(iter(self.waiting), headroom))
         state.waiting_tokens, state.waiting_remaining = tokens_and_remaining(waiting)
+        state.running_generated, state.waiting_generated = generated(self.running), generated(waiting)
 
     def _preempt_request(self, request, *args, **kwargs):
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again

@@ -33,6 +33,10 @@ class StepState:
     running_remaining: Any = None
     waiting_tokens: Any = None
     waiting_remaining: Any = None
+    # Output tokens generated so far (what a predictive policy may use; `remaining` reveals true lengths
+    # when max_tokens is imposed, as in benchmarks).
+    running_generated: Any = None
+    waiting_generated: Any = None
 
 
 class StaticPolicy:
@@ -255,6 +259,8 @@ class FallbackPolicy:
 
 
 POLICIES = {cls.name: cls for cls in (StaticPolicy, MemoryPolicy, CLTPolicy, SLAPolicy)}
+# Length-aware policies (rollout/policy/forecast.py), built lazily: they import this module.
+LENGTH_AWARE_POLICIES = ("forecast",)
 # Benchmark references, never defaults: "oracle" reads true lengths from max_tokens; "vllm" runs vLLM's own
 # scheduler untouched (no adapter, vLLM's default max_num_seqs).
 BENCHMARK_POLICIES = ("oracle", "vllm")
@@ -268,8 +274,8 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
         from rollout.policy.oracle import OraclePolicy
 
         return OraclePolicy(max_cap, max_cap, stats)
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    if name not in POLICIES and name not in LENGTH_AWARE_POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted([*POLICIES, *LENGTH_AWARE_POLICIES])}")
     if name == "static":
         return StaticPolicy(int(settings.get("static_cap") or max_cap), max_cap, stats)
     memory = dict(eps_m=float(settings["eps_m"]), max_cap=max_cap, min_cap=int(settings.get("b_min", 1)),
@@ -286,4 +292,8 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
             chunk_min_tokens=int(settings.get("sla_chunk_min_tokens", 32)),
             chunk_relax_tokens=float(settings.get("sla_chunk_relax_tokens", 64)),
             chunk_hold_tokens=float(settings.get("sla_chunk_hold_tokens", 32)), **memory)
+    if name == "forecast":
+        from rollout.policy.forecast import ForecastPolicy
+
+        return ForecastPolicy(**memory)
     return POLICIES[name](**memory)

@@ -84,6 +84,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             head = list(waiting)[:max(max_num_seqs - len(running), 0)]
             state.waiting_tokens = np.array([r.prompt_tokens + r.generated for r in head], dtype=np.int64)
             state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
+            state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
+            state.waiting_generated = np.array([r.generated for r in head], dtype=np.int64)
         cap = min(max(policy.batch_cap(state), len(running), 1), max_num_seqs)
         budget, scheduled, preempted = token_budget, [], False
         i = 0
