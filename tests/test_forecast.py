@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rollout.policy import StepState, make_policy
-from rollout.policy.forecast import CensoredLengths, ForecastPolicy, forecast_admissions
+from rollout.policy.forecast import CensoredLengths, ForecastPolicy, expected_demand_admissions, survival_after
 from rollout.policy.oracle import oracle_admissions
 
 
@@ -34,24 +34,52 @@ def test_running_requests_correct_the_early_short_bias():
     assert np.all(remaining[1:] >= 16)  # a running request past every finished length still has a future
 
 
-def test_with_exact_means_and_no_spread_admission_matches_the_oracle():
+def test_survival_rows_are_probabilities_that_only_fall():
+    lengths = CensoredLengths(bin_tokens=16)
+    rng = np.random.default_rng(1)
+    for n in rng.lognormal(5, 0.8, 300).astype(int):
+        lengths.observe(int(n))
+    alive = survival_after(lengths, rng.integers(0, 600, 50), horizon_bins=80)
+    assert np.all(alive[:, 0] == 1.0)
+    assert np.all((alive >= 0) & (alive <= 1))
+    assert np.all(np.diff(alive, axis=1) <= 1e-12)
+
+
+def test_known_lengths_give_the_oracles_admissions():
+    # Every request is 160 tokens long, and the estimate has seen enough of them to know it.
+    lengths = CensoredLengths(bin_tokens=16)
+    for _ in range(100):
+        lengths.observe(160)
+    alive = survival_after(lengths, np.array([0, 64]), horizon_bins=14)
+    assert alive[0].tolist() == [1.0] * 11 + [0.0] * 3  # runs through bin 10 (tokens 160-175), then done
+    assert alive[1].tolist() == [1.0] * 7 + [0.0] * 7
     rng = np.random.default_rng(3)
-    for _ in range(50):
-        running_tokens = rng.integers(10, 500, 20)
-        running_remaining = rng.integers(1, 300, 20)
-        waiting_tokens = rng.integers(10, 200, 40)
-        waiting_remaining = rng.integers(1, 300, 40)
-        capacity = float(rng.integers(5000, 30000))
-        expected = oracle_admissions(running_tokens, running_remaining, waiting_tokens, waiting_remaining,
+    for _ in range(30):
+        running_generated = rng.integers(0, 160, 20)
+        running_tokens = 100 + running_generated
+        waiting_tokens = np.full(40, 100)
+        capacity = float(rng.integers(6000, 20000))
+        expected = oracle_admissions(running_tokens, 160 - running_generated, waiting_tokens, np.full(40, 160),
                                      capacity, 16)
-        got = forecast_admissions(running_tokens, running_remaining.astype(float), np.zeros(20), waiting_tokens,
-                                  waiting_remaining.astype(float), np.zeros(40), capacity, 16, theta=1.645)
-        assert got == expected
-    # Spread only ever admits fewer.
-    spread = forecast_admissions(running_tokens, running_remaining.astype(float), np.full(20, 900.0),
-                                 waiting_tokens, waiting_remaining.astype(float), np.full(40, 900.0), capacity, 16,
-                                 theta=1.645)
-    assert spread <= expected
+        got = expected_demand_admissions(running_tokens, running_generated, waiting_tokens, np.zeros(40, int),
+                                         lengths, capacity, 16, theta=0.0)
+        # Bins of 16 tokens make it more careful by at most one bin per request, never bolder.
+        careful = oracle_admissions(running_tokens, 160 - running_generated, waiting_tokens, np.full(40, 160),
+                                    capacity - 16 * (20 + 40), 16)
+        assert careful <= got <= expected
+
+
+def test_spread_and_less_memory_admit_fewer():
+    lengths = CensoredLengths(bin_tokens=16)
+    rng = np.random.default_rng(4)
+    for n in rng.lognormal(5, 0.8, 200).astype(int):
+        lengths.observe(int(n))
+    args = (np.full(30, 300), np.full(30, 150), np.full(200, 100), np.zeros(200, int), lengths)
+    admitted = [expected_demand_admissions(*args, capacity, 16, theta) for capacity in (30000, 60000)
+                for theta in (0.0, 1.645)]
+    assert admitted[1] <= admitted[0] and admitted[3] <= admitted[2]
+    assert admitted[0] < admitted[2]
+    assert expected_demand_admissions(*args, 100.0, 16, 0.0) == 0  # the running ones alone overflow
 
 
 def test_cold_start_is_algorithm_1_then_forecast():

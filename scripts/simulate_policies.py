@@ -1,0 +1,41 @@
+"""Schedulers on the GPU suite's workloads in the simulator, with the step-time model fitted to the H200 8B
+kv-bound runs (docs/benchmarks.md), no GPU needed. Prints tok/s, preemptions and recomputed share.
+
+    python scripts/simulate_policies.py vllm,memory,forecast,oracle "only=[kv-bound,grpo-groups]"
+"""
+import sys
+import time
+
+from rollout.bench import load_bench_config, scheduler_policy
+from rollout.policy import make_policy
+from rollout.sim.engine import StepTimeModel, simulate
+from rollout.workloads import profile_requests
+
+model = StepTimeModel(base=4.62e-3, per_seq=36.9e-6, per_kv_token=13.3e-9, per_prefill_token=2.8e-6)
+bench = load_bench_config("configs/bench/gpu.yaml", sys.argv[2:])
+names = sys.argv[1].split(",")
+for profile in bench.profiles:
+    cap_tokens = profile.kv_cache_memory_bytes // (128 * 1024)  # Llama-3.1-8B shape: 128 KiB of KV per token
+    row = {}
+    for name in names:
+        settings = scheduler_policy(bench, "static-1024" if name == "vllm" else name)
+        policy = make_policy(settings)
+        clock = gen = pre = rec = 0
+        t0 = time.time()
+        for it in range(profile.iterations):
+            reqs = profile_requests(profile, it, bench.seed, bench.vocab_size)
+            if name == "oracle":
+                reqs = sorted(reqs, key=lambda r: -r.output_tokens)
+            res = simulate([(len(r.prompt.token_ids), r.output_tokens) for r in reqs], policy,
+                           kv_capacity_blocks=cap_tokens // 16, block_size=16, max_num_seqs=settings["b_max"],
+                           token_budget=8192, step_time=model)
+            clock += res.makespan_s
+            gen += res.generated_tokens
+            pre += res.preemptions
+            rec += res.recomputed_tokens
+        row[name] = gen / clock
+        print(f"{profile.name:12s} {name:10s} {gen / clock:8.0f} tok/s  preemptions {pre:5d}  "
+              f"recomputed {rec / gen:.2%}  ({time.time() - t0:.1f} s to simulate)", flush=True)
+    base = row.get("vllm")
+    if base:
+        print("  ratios:", {k: round(v / base, 3) for k, v in row.items()}, flush=True)
