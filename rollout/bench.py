@@ -76,6 +76,15 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
     return bench
 
 
+def benchmark_model(model: str, work: Path, vocab_size: int) -> str:
+    """"tiny": a random tiny Llama built under `work`; anything else: a model folder, used as it is."""
+    if model != "tiny":
+        return model
+    from rollout.models import build_tiny_llama
+
+    return str(build_tiny_llama(work / "tiny", vocab_size=vocab_size))
+
+
 def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
     """The policy settings a scheduler name stands for ("static-N": a fixed cap N that is also max_num_seqs)."""
     if scheduler.startswith("static-"):
@@ -243,12 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(bench.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-"))
-    if bench.model == "tiny":
-        from rollout.models import build_tiny_llama
-
-        model = str(build_tiny_llama(work / "tiny", vocab_size=bench.vocab_size))
-    else:
-        model = bench.model
+    model = benchmark_model(bench.model, work, bench.vocab_size)
     results, started = [], time.time()
     for profile in bench.profiles:
         for rep in range(bench.reps):

@@ -32,11 +32,10 @@ import numpy as np
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rollout.bench import GPU_ENGINE, benchmark_model
 from rollout.config import ConfigError, RunConfig, validate
 from rollout.workloads import ProfileConfig, profile_requests
 
-GPU_ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True,
-              "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
 
 
 @dataclass
@@ -300,13 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(capacity.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="online-"))
-    if capacity.model == "tiny":
-        from rollout.models import build_tiny_llama
-
-        model = str(build_tiny_llama(work / "tiny", vocab_size=capacity.vocab_size))
-    else:
-        model = capacity.model
+    model = benchmark_model(capacity.model, Path(tempfile.mkdtemp(prefix="online-")), capacity.vocab_size)
     prompts = [r.prompt.token_ids for r in requests]
     lengths = [r.output_tokens for r in requests]
     stat = "tbt_p99_ms" if capacity.criterion == "p99" else "tbt_mean_ms"

@@ -43,22 +43,29 @@ def durable_lines(out):
 
 
 def start_and_stop(cmd, out, at_least, sig, whole_group):
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while len(durable_lines(out)) < at_least and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if whole_group:
-        os.killpg(proc.pid, sig)
-    else:
-        proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=120)
-    if whole_group:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind by the parent's death
-        except ProcessLookupError:
-            pass
-    return proc.returncode, stderr
+    # Output to a file, not a pipe: nobody reads a pipe while the run goes, and a full one would stall it.
+    log_path = out.parent / f"run-{time.monotonic_ns()}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + 300
+        seen = []
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.append((round(time.monotonic(), 2), len(durable_lines(out))))
+            if seen[-1][1] >= at_least:
+                break
+            time.sleep(0.05)
+        if whole_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        proc.wait(timeout=120)
+        if whole_group:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind by the parent's death
+            except ProcessLookupError:
+                pass
+    changes = [point for i, point in enumerate(seen) if i == 0 or point[1] != seen[i - 1][1]]
+    return proc.returncode, log_path.read_text() + f"\n[test] (time, durable lines) as polled: {changes}"
 
 
 def keys(records):
@@ -73,12 +80,13 @@ def test_killed_runs_resume_exactly_once(tiny_model, prompt_set, tmp_path):
     seen = 0
     for _ in range(3):
         target = min(seen + rng.randint(5, 25), total // 4)
-        returncode, _ = start_and_stop(cmd, out, target, signal.SIGKILL, whole_group=True)
+        returncode, log = start_and_stop(cmd, out, target, signal.SIGKILL, whole_group=True)
         assert returncode == -signal.SIGKILL
         records = durable_lines(out)
         assert len(set(keys(records))) == len(records)  # nothing durable was generated a second time
         assert len(records) >= seen
         seen = len(records)
+        assert seen < total, log[-3000:]  # the kill landed mid-run, leaving work for the resumed run
     assert 0 < seen < total
     assert not (out / "summary.json").exists()
 
