@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(capacity.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = benchmark_model(capacity.model, Path(tempfile.mkdtemp(prefix="online-")), capacity.vocab_size)
+    work = Path(tempfile.mkdtemp(prefix="online-"))
+    model = benchmark_model(capacity.model, work, capacity.vocab_size)
     prompts = [r.prompt.token_ids for r in requests]
     lengths = [r.output_tokens for r in requests]
     stat = "tbt_p99_ms" if capacity.criterion == "p99" else "tbt_mean_ms"

@@ -27,10 +27,10 @@ def prompt_set(tmp_path):
 
 
 def command(tiny_model, prompt_set, out, *extra):
-    # Samples of a fixed length, at most 4 at a time: the set takes ~25 s, so every kill lands mid-run even when an
-    # fsync stalls for seconds and the next flush carries everything finished meanwhile (seen: 5 s, 110 samples).
+    # Samples of a fixed length, one at a time: the set takes ~80 s, so a kill lands mid-run even though, on
+    # 2 busy cores, this test's process was seen not to be scheduled for up to ~19 s while the run went on.
     return [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
-            f"sampling.n={N}", "sampling.max_tokens=256", "sampling.ignore_eos=true", "policy.b_max=4",
+            f"sampling.n={N}", "sampling.max_tokens=256", "sampling.ignore_eos=true", "policy.b_max=1",
             "model.kv_cache_memory_bytes=8388608",
             "output.progress=false", f"output.dir={out}", *extra]
 
@@ -42,30 +42,22 @@ def durable_lines(out):
     return [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1]]
 
 
-def start_and_stop(cmd, out, at_least, sig, whole_group):
-    # Output to a file, not a pipe: nobody reads a pipe while the run goes, and a full one would stall it.
+def run_for(cmd, out, seconds, sig):
+    """Run the command and send it `sig` after `seconds`, timed by coreutils `timeout`: on 2 busy cores this
+    test's own process was seen not to be scheduled for over a minute while the run went on, so a kill timed
+    from here (by polling samples.jsonl) landed after the run had finished."""
     log_path = out.parent / f"run-{time.monotonic_ns()}.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        deadline = time.monotonic() + 300
-        seen = []
-        while proc.poll() is None and time.monotonic() < deadline:
-            seen.append((round(time.monotonic(), 2), len(durable_lines(out))))
-            if seen[-1][1] >= at_least:
-                break
-            time.sleep(0.05)
-        if whole_group:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        proc.wait(timeout=120)
-        if whole_group:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind by the parent's death
-            except ProcessLookupError:
-                pass
-    changes = [point for i, point in enumerate(seen) if i == 0 or point[1] != seen[i - 1][1]]
-    return proc.returncode, log_path.read_text() + f"\n[test] (time, durable lines) as polled: {changes}"
+        # SIGKILL goes to the whole group (`timeout` included); SIGINT to the command alone, as Ctrl-C would.
+        only_command = ["--foreground", "--preserve-status"] if sig != signal.SIGKILL else []
+        proc = subprocess.Popen(["timeout", *only_command, "-s", sig.name, f"{seconds:.1f}", *cmd], stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc.wait(timeout=seconds + 300)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind by the parent's death
+    except ProcessLookupError:
+        pass
+    return proc.returncode, log_path.read_text()
 
 
 def keys(records):
@@ -77,11 +69,11 @@ def test_killed_runs_resume_exactly_once(tiny_model, prompt_set, tmp_path):
     cmd = command(tiny_model, prompt_set, out)
     rng = random.Random(7)
     total = NUM_PROMPTS * N
-    seen = 0
-    for _ in range(3):
-        target = min(seen + rng.randint(5, 25), total // 4)
-        returncode, log = start_and_stop(cmd, out, target, signal.SIGKILL, whole_group=True)
-        assert returncode == -signal.SIGKILL
+    seen = kills = 0
+    while kills < 2 or (seen == 0 and kills < 4):  # more kills only if one landed before the engine was up
+        returncode, log = run_for(cmd, out, rng.uniform(26, 40), signal.SIGKILL)
+        kills += 1
+        assert returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), log[-3000:]
         records = durable_lines(out)
         assert len(set(keys(records))) == len(records)  # nothing durable was generated a second time
         assert len(records) >= seen
@@ -119,11 +111,11 @@ def test_killed_runs_resume_exactly_once(tiny_model, prompt_set, tmp_path):
 def test_interrupt_stops_cleanly_and_resumes(tiny_model, prompt_set, tmp_path):
     out = tmp_path / "out"
     cmd = command(tiny_model, prompt_set, out)
-    returncode, stderr = start_and_stop(cmd, out, 10, signal.SIGINT, whole_group=False)
+    returncode, stderr = run_for(cmd, out, 35, signal.SIGINT)
     assert returncode == 130, stderr[-3000:]
     assert "run the same command again to resume" in stderr
     kept = durable_lines(out)
-    assert len(kept) >= 10
+    assert len(kept) >= 1
     assert len(set(keys(kept))) == len(kept)
 
     forced = subprocess.run(command(tiny_model, prompt_set, out, "sampling.top_p=0.9", "output.force=true"),
