@@ -12,7 +12,6 @@ tokens weighted by the probability it is still running then) plus theta standard
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from rollout.policy.memory import clamp_cap
