@@ -179,9 +179,16 @@ class _DynamicBatchMixin:
             return np.fromiter((r.num_output_tokens for r in requests), dtype=np.int64, count=len(requests))
 
         state.running_tokens, state.running_remaining = tokens_and_remaining(self.running)
-        # Preempted requests wait at the front; only as many as the cap could still admit matter.
+        # Preempted requests wait at the front; only as many as the cap could still admit, and whose tokens
+        # would fit in the cache beside the running ones (plus one), matter.
         headroom = self.max_cap - len(self.running)
-        waiting = list(itertools.islice(iter(self.waiting), headroom))
+        free_tokens = state.kv_capacity_blocks * state.block_size - int(state.running_tokens.sum())
+        waiting = []
+        for request in itertools.islice(iter(self.waiting), headroom):
+            waiting.append(request)
+            free_tokens -= request.num_tokens
+            if free_tokens < 0:
+                break
         state.waiting_tokens, state.waiting_remaining = tokens_and_remaining(waiting)
         state.running_generated, state.waiting_generated = generated(self.running), generated(waiting)
 

@@ -24,10 +24,14 @@ MAX_POINTS = 48
 class CensoredLengths:
     """Kaplan-Meier estimate of the output-length distribution over bins of `bin_tokens` tokens."""
 
-    def __init__(self, bin_tokens: int = 16) -> None:
+    def __init__(self, bin_tokens: int = 16, tail: str = "lognormal") -> None:
         self.bin_tokens = bin_tokens
+        self.tail = tail
         self.finished = np.zeros(64, dtype=np.int64)  # finished requests per length bin
         self.count = 0
+        self.longest_bin = 0
+        self._tail_fit: tuple[int, float, float] | None = None  # (count when fitted, log-mean, log-sd)
+        self._tail_ratio = None  # survival past the longest finished request, relative to it, for a fit
 
     def observe(self, output_tokens: int) -> None:
         k = output_tokens // self.bin_tokens
@@ -35,6 +39,20 @@ class CensoredLengths:
             self.finished = np.pad(self.finished, (0, max(k + 1, 2 * len(self.finished)) - len(self.finished)))
         self.finished[k] += 1
         self.count += 1
+        self.longest_bin = max(self.longest_bin, k)
+
+    def _lognormal(self, generated: np.ndarray) -> tuple[float, float]:
+        """Log-mean and log-sd of a lognormal fitted (censored maximum likelihood) to the finished lengths and
+        the running requests' output so far; refitted each time the finished count doubles (a fit takes ~10 ms)."""
+        if self._tail_fit is None or self.count >= 2 * self._tail_fit[0]:
+            from scipy import stats
+
+            centers = (np.arange(len(self.finished)) + 0.5) * self.bin_tokens
+            data = stats.CensoredData(uncensored=np.log(np.repeat(centers, self.finished)),
+                                      right=np.log(np.maximum(generated, 1)))
+            log_mean, log_sd = stats.norm.fit(data)
+            self._tail_fit = (self.count, float(log_mean), float(max(log_sd, 1e-3)))
+        return self._tail_fit[1:]
 
     def reach(self, generated: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The censored (Kaplan-Meier) estimate: reach[k] = P(l_out reaches bin k), with `generated`, the output
@@ -42,12 +60,26 @@ class CensoredLengths:
         to finish (only censored past it) ends one bin past the longest request seen."""
         generated = np.asarray(generated, dtype=np.int64)
         bins = generated // self.bin_tokens
-        size = max(len(self.finished), int(bins.max(initial=0)) + 2)
-        events = np.pad(self.finished, (0, size - len(self.finished))).astype(float)
+        size = max(self.longest_bin, int(bins.max(initial=0))) + 2
+        events = np.pad(self.finished, (0, max(size - len(self.finished), 0)))[:size].astype(float)
         censored = np.bincount(bins, minlength=size).astype(float) if len(generated) else np.zeros(size)
         at_risk = np.cumsum((events + censored)[::-1])[::-1]  # length or censoring point in bin k or later
         hazard = np.divide(events, at_risk, out=np.zeros(size), where=at_risk > 0)
-        return bins, np.concatenate([[1.0], np.cumprod(1.0 - hazard), [0.0]])
+        reach = np.concatenate([[1.0], np.cumprod(1.0 - hazard)])
+        if self.tail == "lognormal" and reach[-1] > 0 and self.count >= 2:
+            # Past the longest finished request the data say nothing: a censored lognormal fit carries the tail.
+            from scipy import stats
+
+            fit = self._lognormal(generated)
+            last = self.longest_bin + 1
+            if self._tail_ratio is None or self._tail_ratio[0] != (fit, last) or len(self._tail_ratio[1]) < 2 * size:
+                edges = np.arange(last, last + 4 * size + 64) * self.bin_tokens  # long enough for most tails
+                survival = stats.lognorm.sf(edges, fit[1], scale=np.exp(fit[0]))
+                self._tail_ratio = ((fit, last), survival / max(survival[0], 1e-300))
+            ratio = self._tail_ratio[1]
+            keep = max(int(np.searchsorted(-ratio, -1e-3)), int(bins.max(initial=0)) + 2 - last, 1)
+            reach = np.concatenate([reach[:last + 1], reach[last] * ratio[1:keep]])
+        return bins, np.concatenate([reach, [0.0]])
 
     def conditional(self, generated: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean and variance of the remaining output length of running requests that have generated
@@ -82,6 +114,10 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     tokens), the expected KV demand of running and admitted requests plus theta standard deviations stays
     within the cache. A request holding c tokens demands c + t (plus a partly used block) at t steps ahead if it
     is still running then, with the probability `survival_after` gives."""
+    # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
+    held_now = float(np.sum(running_tokens)) + np.cumsum(np.asarray(waiting_tokens, dtype=float) + block_size - 1)
+    fit_now = int(np.searchsorted(held_now, capacity_tokens, side="right"))
+    waiting_tokens, waiting_generated = waiting_tokens[:fit_now + 1], waiting_generated[:fit_now + 1]
     generated = np.concatenate([running_generated, waiting_generated])
     span = max(len(lengths.finished), int(generated.max(initial=0)) // lengths.bin_tokens + 1) + 2
     # At most ~MAX_POINTS future times are checked (policy time stays far below a step's).
@@ -111,9 +147,9 @@ class ForecastPolicy(MemoryPolicy):
     name = "forecast"
     needs_requests = True
 
-    def __init__(self, *args, bin_tokens: int = 16, **kwargs) -> None:
+    def __init__(self, *args, bin_tokens: int = 16, tail: str = "lognormal", **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.lengths = CensoredLengths(bin_tokens)
+        self.lengths = CensoredLengths(bin_tokens, tail)
         self.admitted_last = 0
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
