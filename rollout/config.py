@@ -90,6 +90,11 @@ class PolicyConfig:
     sla_chunk_min_tokens: int = 32
     sla_chunk_relax_tokens: float = 64.0
     sla_chunk_hold_tokens: float = 32.0
+    # Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go
+    # first (the driver's per-prompt memory, saved beside the length statistics as prompt_lengths.json;
+    # unseen prompts rank at the mean), and each request carries its predicted relative length to the
+    # scheduler (the forecast policy scales its length estimate by it).
+    order: str = "fifo"  # fifo | longest_first
 
 
 @dataclass
@@ -165,6 +170,7 @@ def validate(cfg: RunConfig) -> None:
     need(p.name != "sla" or (p.d_sla_ms is not None and p.d_sla_ms > 0),
          f"policy.name=sla needs policy.d_sla_ms > 0 (the step latency bound in ms), got {p.d_sla_ms}")
     need(p.sla_eps_ms is None or 0 <= p.sla_eps_ms, f"policy.sla_eps_ms must be >= 0, got {p.sla_eps_ms}")
+    need(p.order in ("fifo", "longest_first"), f"policy.order: {p.order!r} is not fifo or longest_first")
     need(p.sla_relax >= 0 and p.sla_hold >= 0 and p.sla_chunk_relax_tokens >= 0 and p.sla_chunk_hold_tokens >= 0,
          "policy.sla_relax, sla_hold, sla_chunk_relax_tokens and sla_chunk_hold_tokens must be >= 0")
     need(p.sla_window >= 1, f"policy.sla_window must be >= 1, got {p.sla_window}")

@@ -19,9 +19,11 @@ import numpy as np
 from rollout.config import RunConfig
 from rollout.data import Prompt
 from rollout.models import resolve_model
+from rollout.policy.length_stats import PromptLengths, prompt_key
 
 TRACE_FILE = "trace.jsonl"
 STATS_FILE = "length_stats.json"
+PROMPT_LENGTHS_FILE = "prompt_lengths.json"
 SERIES_POINTS = 200
 
 
@@ -112,6 +114,9 @@ class RolloutEngine:
         self.trace_path = self.workdir / TRACE_FILE
         self.stats_out = Path(cfg.output.stats_out) if cfg.output.stats_out else self.workdir / STATS_FILE
         self.stats_in = self._stats_prior()
+        self.prompt_lengths_path = self.stats_out.with_name(PROMPT_LENGTHS_FILE)
+        prior = self.stats_in.with_name(PROMPT_LENGTHS_FILE) if self.stats_in else None
+        self.prompt_lengths = PromptLengths.load(prior) if prior and prior.is_file() else PromptLengths()
         self.model_path = resolve_model(cfg.model.path)
         # vLLM 0.32's CPU runner crashes on seeded requests whose prefill is chunked ("CPU Generator does not
         # use offset"); there the engine seed alone makes runs reproducible.
@@ -136,15 +141,17 @@ class RolloutEngine:
         # vLLM's metrics are process-wide and cumulative across generate() calls: callers take differences.
         return sum(getattr(metric, "value", 0) for metric in self.llm.get_metrics() if metric.name == name)
 
-    def sampling_params(self, seed: int):
+    def sampling_params(self, seed: int, length_scale: float = 1.0):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
+
+        from rollout.vllm_adapter import LENGTH_SCALE_KEY
 
         s = self.cfg.sampling
         return SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                               seed=seed if self.per_request_seeds else None, logprobs=s.logprobs,
-                              ignore_eos=s.ignore_eos,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,
+                              extra_args={LENGTH_SCALE_KEY: length_scale} if length_scale != 1.0 else None)
 
     def generate(self, prompts: list[Prompt], progress: bool = True, max_tokens: list[int] | None = None,
                  done: dict | None = None, sink=None, sink_every_s: float = 0.5) -> GenerationResult:
@@ -164,11 +171,18 @@ class RolloutEngine:
         generated_before = self._counter("vllm:generation_tokens")
         start = time.monotonic()
         submitted = []
-        for index, prompt in enumerate(prompts):
+        keys = [prompt_key(p.token_ids) for p in prompts]
+        known = int((~np.isnan(self.prompt_lengths.predict(keys))).sum())
+        scales, order = np.ones(len(prompts)), range(len(prompts))
+        if self.cfg.policy.order == "longest_first":
+            scales = self.prompt_lengths.scales(keys)
+            order = sorted(order, key=lambda i: -scales[i])  # stable: ties keep the set's order
+        for index in order:
+            prompt = prompts[index]
             for sample in range(n):
                 if (prompt.prompt_id, sample) in done:
                     continue
-                params = self.sampling_params(self.cfg.sampling.seed + index * n + sample)
+                params = self.sampling_params(self.cfg.sampling.seed + index * n + sample, float(scales[index]))
                 if max_tokens is not None:
                     params.max_tokens = max_tokens[index]
                 engine.add_request(f"{index}:{sample}", {"prompt_token_ids": prompt.token_ids}, params)
@@ -209,10 +223,23 @@ class RolloutEngine:
             bar.close()
         wall = time.monotonic() - start
         trace.poll()
+        self._remember_lengths(keys, new)
         records = sorted([*done.values(), *new], key=lambda r: (r["group_index"], r["sample_index"]))
         summary = self._summary(records, new, trace, wall,
                                 self._counter("vllm:num_preemptions") - preempted_before)
+        summary["prompt_lengths"] = {"order": self.cfg.policy.order, "prompts_predicted": known,
+                                     "path": str(self.prompt_lengths_path)}
         return GenerationResult(records=records, summary=summary, trace=trace.records)
+
+    def _remember_lengths(self, keys: list[str], new: list[dict]) -> None:
+        """Each prompt's outputs of this pass update its predicted length for the next pass."""
+        by_prompt: dict[str, list[int]] = {}
+        for record in new:
+            by_prompt.setdefault(keys[record["group_index"]], []).append(record["completion_tokens"])
+        for key, lengths in by_prompt.items():
+            self.prompt_lengths.update(key, lengths)
+        if by_prompt:
+            self.prompt_lengths.save(self.prompt_lengths_path)
 
     def _record(self, prompt: Prompt, index: int, sample: int, out) -> dict:
         completion = out.outputs[0]

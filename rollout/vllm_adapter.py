@@ -36,6 +36,16 @@ from rollout.policy import FallbackPolicy, LengthStats, StepState, make_policy
 SETTINGS_KEY = "rollout"
 
 
+LENGTH_SCALE_KEY = "rollout_length_scale"
+
+
+def length_scale(request) -> float:
+    """The predicted output length of a request's prompt relative to the average, set by the driver in
+    SamplingParams.extra_args from its per-prompt memory; 1.0 when none was given."""
+    extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
+    return float(extra.get(LENGTH_SCALE_KEY, 1.0)) if extra else 1.0
+
+
 def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_out: str | None,
                      stats_options: dict | None = None) -> dict:
     """The additional_config entry that configures the scheduler in the engine process."""
@@ -74,6 +84,7 @@ class _DynamicBatchMixin:
         self._pending = 0
         self._pending_prompt_tokens = 0
         self._pending_max_tokens = 0
+        self._scaled = False  # some request carried a predicted length scale
         self._finished = 0
         self._recomputed = 0
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
@@ -81,8 +92,11 @@ class _DynamicBatchMixin:
         self._last_output_t = 0.0
 
     def add_request(self, request) -> None:
+        if self._pending == 0:  # requests arrive at an idle engine: a new pass (RL iteration)
+            self.batch_policy.start_pass()
         super().add_request(request)
         self._pending += 1
+        self._scaled = self._scaled or length_scale(request) != 1.0
         self._pending_prompt_tokens += request.num_prompt_tokens
         self._pending_max_tokens += request.max_tokens
 
@@ -92,7 +106,8 @@ class _DynamicBatchMixin:
         self._pending_prompt_tokens -= request.num_prompt_tokens
         self._pending_max_tokens -= request.max_tokens
         self._finished += 1
-        self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens)
+        self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens,
+                                           length_scale(request))
         return super()._free_request(request, *args, **kwargs)
 
     def schedule(self, *args, **kwargs):
@@ -104,7 +119,7 @@ class _DynamicBatchMixin:
             pending_prompt_tokens_mean=self._pending_prompt_tokens / max(self._pending, 1),
             pending_max_tokens_mean=self._pending_max_tokens / max(self._pending, 1),
         )
-        if self.batch_policy.needs_requests:
+        if self.batch_policy.wants_requests(state):
             self._describe_requests(state)
         cap = min(max(self.batch_policy.batch_cap(state), num_running, 1), self.max_cap)
         budget = None
@@ -130,6 +145,8 @@ class _DynamicBatchMixin:
             }
             if budget is not None:
                 record["token_budget"] = self.max_num_scheduled_tokens
+            if self._scaled:
+                record["length_scaled"] = True
             for key, value in self.batch_policy.trace_fields().items():
                 if isinstance(value, float):
                     value = None if math.isnan(value) else round(value, 3)
@@ -191,6 +208,9 @@ class _DynamicBatchMixin:
                 break
         state.waiting_tokens, state.waiting_remaining = tokens_and_remaining(waiting)
         state.running_generated, state.waiting_generated = generated(self.running), generated(waiting)
+        if self._scaled:
+            state.running_scale = np.fromiter(map(length_scale, self.running), dtype=float, count=len(self.running))
+            state.waiting_scale = np.fromiter(map(length_scale, waiting), dtype=float, count=len(waiting))
 
     def _preempt_request(self, request, *args, **kwargs):
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again

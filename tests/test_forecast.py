@@ -110,3 +110,83 @@ def test_simulated_kv_bound_workload_preempts_less_than_algorithm_1():
                               token_budget=8192, step_time=StepTimeModel())
         assert runs[name].generated_tokens == sum(out for _, out in requests)
     assert runs["forecast"].recomputed_tokens < runs["memory"].recomputed_tokens
+
+
+def test_a_scaled_request_runs_its_scale_times_as_long():
+    lengths = CensoredLengths(bin_tokens=16)
+    for n in np.random.default_rng(3).lognormal(5, 0.6, 500).astype(int):
+        lengths.observe(int(n))
+    plain = survival_after(lengths, np.array([0]), 20, stride=1)
+    doubled = survival_after(lengths, np.array([0]), 20, stride=2, scale=np.array([2.0]))
+    np.testing.assert_allclose(doubled, plain)  # 2j bins ahead at scale 2 is j bins of the estimate
+    halved = survival_after(lengths, np.array([0]), 20, stride=1, scale=np.array([0.5]))
+    assert halved[0, 10] <= plain[0, 10]
+
+
+def test_predicted_long_requests_admit_fewer():
+    lengths = CensoredLengths(bin_tokens=16)
+    for n in np.random.default_rng(4).lognormal(5, 0.5, 400).astype(int):
+        lengths.observe(int(n))
+    waiting = np.full(200, 128)
+    args = (np.array([], dtype=np.int64), np.array([], dtype=np.int64), waiting, np.zeros(200, dtype=np.int64),
+            lengths, 30_000, 16, 1.645)
+    plain = expected_demand_admissions(*args)
+    longer = expected_demand_admissions(*args, waiting_scale=np.full(200, 3.0))
+    shorter = expected_demand_admissions(*args, waiting_scale=np.full(200, 0.5))
+    assert shorter > plain > longer > 0
+
+
+def test_forecast_skips_the_request_pass_while_nothing_changed():
+    policy = ForecastPolicy(0.05, 64, min_observations=2)
+    for n in (100, 120, 140):
+        policy.observe_finished(16, n)
+    full = StepState(num_running=4, num_waiting=10, kv_capacity_blocks=30, block_size=16)
+    assert policy.wants_requests(full)
+    full.running_tokens, full.running_generated = np.full(4, 116), np.full(4, 100)
+    full.waiting_tokens, full.waiting_generated = np.full(10, 16), np.zeros(10, dtype=np.int64)
+    assert policy.batch_cap(full) == 4  # 480 tokens of cache, four requests heading for ~130 tokens each
+    bare = StepState(num_running=4, num_waiting=10, kv_capacity_blocks=30, block_size=16)
+    assert not policy.wants_requests(bare)  # demand only grew since: still nothing to admit
+    assert policy.batch_cap(bare) == 4
+    policy.observe_finished(16, 130)
+    assert policy.wants_requests(StepState(num_running=3, num_waiting=10, kv_capacity_blocks=30, block_size=16))
+
+
+def test_a_new_pass_keeps_a_quarter_of_the_earlier_lengths():
+    policy = ForecastPolicy(0.05, 64)
+    for n in range(100):
+        policy.observe_finished(16, 50 + n)
+    policy.start_pass()
+    assert policy.lengths.count == pytest.approx(25.0)
+    mean_before, _ = policy.lengths.conditional(np.array([0]))
+    assert mean_before[0] == pytest.approx(100, abs=10)  # the shape is kept, only its weight falls
+
+
+@pytest.mark.engine
+def test_prompt_memory_orders_and_scales_the_next_pass(tiny_model, tmp_path):
+    from omegaconf import OmegaConf
+
+    from rollout.config import RunConfig, validate
+    from rollout.engine import RolloutEngine
+    from rollout.policy.length_stats import PromptLengths, prompt_key
+    from rollout.workloads import lognormal_workload
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "model": {"path": str(tiny_model), "dtype": "float32", "num_gpu_blocks_override": 24,
+                  "kv_cache_memory_bytes": 64 << 20, "max_model_len": 2048},
+        "data": {"source": "synthetic"}, "sampling": {"n": 2, "ignore_eos": True},
+        "policy": {"name": "forecast", "order": "longest_first", "b_max": 32}, "output": {"stats_in": None}}))
+    validate(cfg)
+    prompts, lengths = lognormal_workload(24, seed=5, median_output=120)
+    with RolloutEngine(cfg, tmp_path) as engine:
+        first = engine.generate(prompts, progress=False, max_tokens=lengths)
+        second = engine.generate(prompts, progress=False, max_tokens=lengths)
+    assert first.summary["prompt_lengths"]["prompts_predicted"] == 0
+    assert not any(s.get("length_scaled") for s in first.trace)
+    assert second.summary["prompt_lengths"]["prompts_predicted"] == len(prompts)
+    assert any(s.get("length_scaled") for s in second.trace)  # the scheduler received the predictions
+    for run in (first, second):
+        assert [r["completion_tokens"] for r in run.records] == [n for n in lengths for _ in range(2)]
+    memory = PromptLengths.load(tmp_path / "prompt_lengths.json")
+    predicted = memory.predict([prompt_key(p.token_ids) for p in prompts])
+    np.testing.assert_allclose(predicted, lengths)  # both passes had these lengths

@@ -154,3 +154,23 @@ def test_prior_from_another_block_size_is_estimated_until_complete():
     prior.observe(50, 950)  # one exact observation does not replace a hundred estimated ones
     assert prior.demand_blocks(128) != (8.0, 0.0)
     assert prior.demand_blocks(128)[0] == pytest.approx((prior.total_tokens.mean + 63.5) / 128)
+
+
+def test_prompt_memory_blends_passes_and_survives_a_round_trip(tmp_path):
+    from rollout.policy.length_stats import PromptLengths, prompt_key
+
+    memory = PromptLengths(keep=0.5)
+    a, b, c = prompt_key([1, 2, 3]), prompt_key([1, 2, 4]), prompt_key([9])
+    assert a != b
+    memory.update(a, [100, 300])
+    memory.update(b, [50])
+    memory.update(a, [400])
+    assert memory.mean[a] == pytest.approx(0.5 * 200 + 0.5 * 400)
+    scales = memory.scales([a, b, c])  # unseen c ranks at the mean of the known
+    assert scales[0] > scales[2] > scales[1] and scales.mean() == pytest.approx(1.0)
+    memory.save(tmp_path / "m.json")
+    again = PromptLengths.load(tmp_path / "m.json")
+    assert again.mean == memory.mean and again.keep == 0.5
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot read prompt length memory"):
+        PromptLengths.load(tmp_path / "bad.json")

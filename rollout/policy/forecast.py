@@ -27,19 +27,27 @@ class CensoredLengths:
     def __init__(self, bin_tokens: int = 16, tail: str = "lognormal") -> None:
         self.bin_tokens = bin_tokens
         self.tail = tail
-        self.finished = np.zeros(64, dtype=np.int64)  # finished requests per length bin
-        self.count = 0
+        self.finished = np.zeros(64)  # finished requests per length bin (weights: earlier passes count less)
+        self.count = 0.0
         self.longest_bin = 0
         self._tail_fit: tuple[int, float, float] | None = None  # (count when fitted, log-mean, log-sd)
         self._tail_ratio = None  # survival past the longest finished request, relative to it, for a fit
 
-    def observe(self, output_tokens: int) -> None:
-        k = output_tokens // self.bin_tokens
+    def observe(self, output_tokens: float) -> None:
+        k = int(output_tokens // self.bin_tokens)
         if k >= len(self.finished):
             self.finished = np.pad(self.finished, (0, max(k + 1, 2 * len(self.finished)) - len(self.finished)))
         self.finished[k] += 1
         self.count += 1
         self.longest_bin = max(self.longest_bin, k)
+
+    def forget(self, keep: float) -> None:
+        """Weigh everything observed so far by `keep` (a new pass: lengths drift between RL iterations)."""
+        self.finished *= keep
+        self.count *= keep
+        self._tail_fit = self._tail_ratio = None
+        if keep == 0:
+            self.longest_bin = 0
 
     def _lognormal(self, generated: np.ndarray) -> tuple[float, float]:
         """Log-mean and log-sd of a lognormal fitted (censored maximum likelihood) to the finished lengths and
@@ -48,7 +56,7 @@ class CensoredLengths:
             from scipy import stats
 
             centers = (np.arange(len(self.finished)) + 0.5) * self.bin_tokens
-            data = stats.CensoredData(uncensored=np.log(np.repeat(centers, self.finished)),
+            data = stats.CensoredData(uncensored=np.log(np.repeat(centers, np.round(self.finished).astype(int))),
                                       right=np.log(np.maximum(generated, 1)))
             log_mean, log_sd = stats.norm.fit(data)
             self._tail_fit = (self.count, float(log_mean), float(max(log_sd, 1e-3)))
@@ -58,8 +66,8 @@ class CensoredLengths:
         """The censored (Kaplan-Meier) estimate: reach[k] = P(l_out reaches bin k), with `generated`, the output
         so far of requests still running, as the censored observations. Also returns their bins. Mass never seen
         to finish (only censored past it) ends one bin past the longest request seen."""
-        generated = np.asarray(generated, dtype=np.int64)
-        bins = generated // self.bin_tokens
+        generated = np.asarray(generated, dtype=float)
+        bins = (generated // self.bin_tokens).astype(np.int64)
         size = max(self.longest_bin, int(bins.max(initial=0))) + 2
         events = np.pad(self.finished, (0, max(size - len(self.finished), 0)))[:size].astype(float)
         censored = np.bincount(bins, minlength=size).astype(float) if len(generated) else np.zeros(size)
@@ -95,21 +103,34 @@ class CensoredLengths:
         return np.maximum(mean_len - generated, 1.0), np.maximum(var_len, 0.0)
 
 
-def survival_after(lengths: CensoredLengths, generated: np.ndarray, horizon_bins: int,
-                   stride: int = 1) -> np.ndarray:
+def _alive(bins: np.ndarray, reach: np.ndarray, ahead_bins: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """P(still running `ahead_bins` bins of output later | has reached `bins`), one row per request. A request
+    with scale s runs s times as long as the (normalised) estimate: a step of t real tokens is t / s there."""
+    if scale is None:
+        position = bins[:, None] + ahead_bins[None, :]
+    else:
+        position = bins[:, None] + ahead_bins[None, :] / np.asarray(scale, dtype=float)[:, None]
+    grid = np.arange(len(reach))
+    now = reach[bins][:, None]
+    later = np.interp(position.ravel(), grid, reach, right=0.0).reshape(position.shape)
+    return np.divide(later, now, out=(ahead_bins[None, :] == 0).repeat(len(bins), 0).astype(float), where=now > 0)
+
+
+def survival_after(lengths: CensoredLengths, generated: np.ndarray, horizon_bins: int, stride: int = 1,
+                   scale: np.ndarray | None = None) -> np.ndarray:
     """P(a running request that has generated g tokens is still running j * stride bins later),
-    j = 0..horizon_bins-1, one row per request."""
-    bins, reach = lengths.reach(generated)
-    reach = np.concatenate([reach, np.zeros(horizon_bins * stride)])
-    index = bins[:, None] + stride * np.arange(horizon_bins)[None, :]
-    base = reach[bins][:, None]
-    return np.divide(reach[index], base, out=(index == bins[:, None]).astype(float), where=base > 0)
+    j = 0..horizon_bins-1, one row per request. `scale`: each request's predicted length relative to the
+    average (the estimate is of lengths divided by it)."""
+    generated = np.asarray(generated, dtype=float)
+    bins, reach = lengths.reach(generated if scale is None else generated / scale)
+    return _alive(bins, reach, stride * np.arange(horizon_bins), scale)
 
 
 def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np.ndarray,
                                waiting_tokens: np.ndarray, waiting_generated: np.ndarray,
                                lengths: CensoredLengths, capacity_tokens: float, block_size: int,
-                               theta: float) -> int:
+                               theta: float, running_scale: np.ndarray | None = None,
+                               waiting_scale: np.ndarray | None = None) -> int:
     """How many waiting requests (a prefix, in queue order) fit: at every future time (in bins of output
     tokens), the expected KV demand of running and admitted requests plus theta standard deviations stays
     within the cache. A request holding c tokens demands c + t (plus a partly used block) at t steps ahead if it
@@ -118,14 +139,21 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     held_now = float(np.sum(running_tokens)) + np.cumsum(np.asarray(waiting_tokens, dtype=float) + block_size - 1)
     fit_now = int(np.searchsorted(held_now, capacity_tokens, side="right"))
     waiting_tokens, waiting_generated = waiting_tokens[:fit_now + 1], waiting_generated[:fit_now + 1]
-    generated = np.concatenate([running_generated, waiting_generated])
-    span = max(len(lengths.finished), int(generated.max(initial=0)) // lengths.bin_tokens + 1) + 2
-    # At most ~MAX_POINTS future times are checked (policy time stays far below a step's).
+    generated = np.concatenate([running_generated, waiting_generated]).astype(float)
+    scale = None
+    if running_scale is not None or waiting_scale is not None:
+        scale = np.concatenate([np.ones(len(running_generated)) if running_scale is None else running_scale,
+                                np.ones(len(waiting_generated)) if waiting_scale is None else
+                                waiting_scale[:fit_now + 1]]).astype(float)
+    bins, reach = lengths.reach(generated if scale is None else generated / scale)
+    # Far enough ahead for the longest-predicted request to end, at most ~MAX_POINTS future times checked.
+    span = int(np.ceil(len(reach) * (1.0 if scale is None else max(scale.max(initial=1.0), 1.0)))) + 2
     stride = -(-span // MAX_POINTS)
     horizon = -(-span // stride) + 1
-    steps = np.arange(horizon) * stride * lengths.bin_tokens
+    ahead_bins = stride * np.arange(horizon)
+    steps = ahead_bins * lengths.bin_tokens
     tokens = np.concatenate([running_tokens, waiting_tokens]).astype(float)
-    alive = survival_after(lengths, generated, horizon, stride)
+    alive = _alive(bins, reach, ahead_bins, scale)
     held = tokens[:, None] + steps[None, :] + (block_size - 1)
     mean = held * alive
     var = held ** 2 * alive * (1.0 - alive)
@@ -147,24 +175,42 @@ class ForecastPolicy(MemoryPolicy):
     name = "forecast"
     needs_requests = True
 
-    def __init__(self, *args, bin_tokens: int = 16, tail: str = "lognormal", **kwargs) -> None:
+    def __init__(self, *args, bin_tokens: int = 16, tail: str = "lognormal", carry_over: float = 0.25,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.lengths = CensoredLengths(bin_tokens, tail)
+        self.carry_over = carry_over  # weight of earlier passes' lengths when a new pass starts
         self.admitted_last = 0
+        self._forecast_at: tuple[int, int] | None = None  # (finished count, running count) of the last forecast
 
-    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
-        super().observe_finished(prompt_tokens, output_tokens)
-        self.lengths.observe(output_tokens)
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale)
+        self.lengths.observe(output_tokens / max(length_scale, 1e-6))
+
+    def start_pass(self) -> None:
+        self.lengths.forget(self.carry_over)
+
+    def _forecasting(self, state: StepState) -> bool:
+        return self.lengths.count >= self.min_observations and state.num_waiting > 0
+
+    def wants_requests(self, state: StepState) -> bool:
+        # After a forecast that admitted nothing, demand only grows until a request finishes or leaves:
+        # the answer stays 0 and the pass over requests is skipped.
+        return self._forecasting(state) and not (
+            self.admitted_last == 0 and self._forecast_at == (self.lengths.count, state.num_running))
 
     def batch_cap(self, state: StepState) -> int:
-        if (self.lengths.count < self.min_observations or state.running_generated is None
-                or not state.num_waiting):
+        if not self._forecasting(state):
             return super().batch_cap(state)
+        if state.running_generated is None:  # skipped: see wants_requests
+            self.cap = clamp_cap(state.num_running, state.num_running, self.min_cap, self.max_cap)
+            return self.cap
         admit = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
                                            state.waiting_generated, self.lengths,
                                            state.kv_capacity_blocks * state.block_size, state.block_size,
-                                           self.theta)
+                                           self.theta, state.running_scale, state.waiting_scale)
         self.admitted_last = admit
+        self._forecast_at = (self.lengths.count, state.num_running)
         self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running,
                              self.min_cap, self.max_cap)
         return self.cap

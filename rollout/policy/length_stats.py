@@ -213,3 +213,55 @@ class LengthStats:
             return cls.from_dict(data, **overrides)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"cannot read length statistics from {path}: {exc}") from exc
+
+
+def prompt_key(token_ids) -> str:
+    """A prompt's identity across RL iterations: a digest of its token ids."""
+    import hashlib
+
+    return hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=12).hexdigest()
+
+
+class PromptLengths:
+    """Per-prompt memory of output lengths across passes: each prompt's mean over its latest samples, blended
+    with what was known before (`keep` is the weight of the earlier estimate). Prompts seen once predict their
+    next pass; unseen prompts get no prediction (NaN) and fall back to the global statistics."""
+
+    def __init__(self, keep: float = 0.3) -> None:
+        self.keep = keep
+        self.mean: dict[str, float] = {}
+
+    def predict(self, keys: list[str]) -> np.ndarray:
+        return np.array([self.mean.get(k, np.nan) for k in keys], dtype=float)
+
+    def update(self, key: str, output_tokens: list[int]) -> None:
+        latest = float(np.mean(output_tokens))
+        old = self.mean.get(key)
+        self.mean[key] = latest if old is None else self.keep * old + (1.0 - self.keep) * latest
+
+    def scales(self, keys: list[str]) -> np.ndarray:
+        """Predicted length relative to the mean prediction over `keys` (1 where nothing is known)."""
+        predicted = self.predict(keys)
+        known = ~np.isnan(predicted)
+        if not known.any():
+            return np.ones(len(keys))
+        predicted[~known] = predicted[known].mean()
+        return np.maximum(predicted / predicted.mean(), 1e-3)
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
+                                         delete=False) as tmp:
+            json.dump({"format_version": 1, "keep": self.keep, "mean_output_tokens": self.mean}, tmp)
+        os.replace(tmp.name, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, keep: float | None = None) -> PromptLengths:
+        try:
+            data = json.loads(Path(path).read_text())
+            memory = cls(keep if keep is not None else data["keep"])
+            memory.mean = {str(k): float(v) for k, v in data["mean_output_tokens"].items()}
+            return memory
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"cannot read prompt length memory from {path}: {exc}") from exc

@@ -37,6 +37,10 @@ class StepState:
     # when max_tokens is imposed, as in benchmarks).
     running_generated: Any = None
     waiting_generated: Any = None
+    # Predicted output length of each request's prompt relative to the average (None: all 1), from the
+    # driver's per-prompt memory of earlier iterations.
+    running_scale: Any = None
+    waiting_scale: Any = None
 
 
 class StaticPolicy:
@@ -53,7 +57,16 @@ class StaticPolicy:
     def batch_cap(self, state: StepState) -> int:
         return clamp_cap(self.cap, state.num_running, 1, self.max_cap)
 
-    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+    def start_pass(self) -> None:
+        """Requests arrive at an idle engine: a new pass over a prompt set (an RL iteration) begins."""
+
+    def wants_requests(self, state: StepState) -> bool:
+        """Whether this step's StepState must carry the per-request arrays (they cost a pass over requests)."""
+        return self.needs_requests
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
+        """A finished request; `length_scale` is how long its prompt's outputs were predicted to be relative
+        to the average (1: nothing known)."""
         self.stats.observe(prompt_tokens, output_tokens)
 
     def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
@@ -89,8 +102,8 @@ class MemoryPolicy(StaticPolicy):
         self.mean_demand_blocks = math.nan
         self.std_demand_blocks = math.nan
 
-    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
-        super().observe_finished(prompt_tokens, output_tokens)
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale)
         self.finished_since_update += 1
 
     def _demand(self, state: StepState) -> tuple[float, float]:
@@ -219,6 +232,19 @@ class FallbackPolicy:
     def needs_requests(self) -> bool:
         return self.policy.needs_requests
 
+    def start_pass(self) -> None:
+        try:
+            self.policy.start_pass()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def wants_requests(self, state: StepState) -> bool:
+        try:
+            return self.policy.wants_requests(state)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+            return False
+
     def _fail(self, exc: Exception) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
         logging.getLogger("rollout").warning("policy %s failed (%s); continuing with a static cap of %d",
@@ -232,9 +258,9 @@ class FallbackPolicy:
             self._fail(exc)
             return self.policy.batch_cap(state)
 
-    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
         try:
-            self.policy.observe_finished(prompt_tokens, output_tokens)
+            self.policy.observe_finished(prompt_tokens, output_tokens, length_scale)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 

@@ -36,6 +36,7 @@ class StepTimeModel:
 class SimRequest:
     prompt_tokens: int
     output_tokens: int
+    length_scale: float = 1.0  # predicted length relative to the average (the driver's per-prompt memory)
     generated: int = 0
     computed: int = 0  # tokens whose KV is in the cache
     blocks: int = 0
@@ -65,20 +66,22 @@ class SimResult:
 
 def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
              token_budget: int, step_time: StepTimeModel, keep_trace: bool = False) -> SimResult:
-    """Run `requests` ((prompt tokens, output tokens), in arrival order) to completion under `policy`."""
-    waiting = deque(SimRequest(p, o) for p, o in requests)
+    """Run `requests` ((prompt tokens, output tokens[, predicted length scale]), in arrival order) to
+    completion under `policy`."""
+    waiting = deque(SimRequest(*r) for r in requests)
+    policy.start_pass()
     running: list[SimRequest] = []
     free = kv_capacity_blocks
     clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
-    pending_prompt = sum(p for p, _ in requests)
-    pending_max = sum(o for _, o in requests)
+    pending_prompt = sum(r[0] for r in requests)
+    pending_max = sum(r[1] for r in requests)
     trace = []
     while waiting or running:
         pending = len(waiting) + len(running)
         state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
                           block_size=block_size, pending_prompt_tokens_mean=pending_prompt / pending,
                           pending_max_tokens_mean=pending_max / pending)
-        if policy.needs_requests:
+        if policy.wants_requests(state):
             state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
             state.running_remaining = np.array([r.output_tokens - r.generated for r in running], dtype=np.int64)
             head = list(waiting)[:max(max_num_seqs - len(running), 0)]
@@ -86,6 +89,9 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
             state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
             state.waiting_generated = np.array([r.generated for r in head], dtype=np.int64)
+            if any(r.length_scale != 1.0 for r in (*running, *head)):
+                state.running_scale = np.array([r.length_scale for r in running])
+                state.waiting_scale = np.array([r.length_scale for r in head])
         cap = min(max(policy.batch_cap(state), len(running), 1), max_num_seqs)
         budget, scheduled, preempted = token_budget, [], False
         i = 0
@@ -140,7 +146,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 free += r.blocks
                 pending_prompt -= r.prompt_tokens
                 pending_max -= r.output_tokens
-                policy.observe_finished(r.prompt_tokens, r.output_tokens)
+                policy.observe_finished(r.prompt_tokens, r.output_tokens, r.length_scale)
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks))
     return SimResult(clock, generated, preemptions, recomputed, steps, trace)
