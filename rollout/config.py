@@ -90,6 +90,10 @@ class PolicyConfig:
     sla_chunk_min_tokens: int = 32
     sla_chunk_relax_tokens: float = 64.0
     sla_chunk_hold_tokens: float = 32.0
+    # forecast: finished lengths needed before forecasting (Algorithm 1 until then), and the weight of each
+    # earlier pass's length when a new pass starts.
+    forecast_after: int = 32
+    forecast_carry_over: float = 0.05
     # Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go
     # first (the driver's per-prompt memory, saved beside the length statistics as prompt_lengths.json;
     # unseen prompts rank at the mean), and each request carries its predicted relative length to the
@@ -170,6 +174,8 @@ def validate(cfg: RunConfig) -> None:
     need(p.name != "sla" or (p.d_sla_ms is not None and p.d_sla_ms > 0),
          f"policy.name=sla needs policy.d_sla_ms > 0 (the step latency bound in ms), got {p.d_sla_ms}")
     need(p.sla_eps_ms is None or 0 <= p.sla_eps_ms, f"policy.sla_eps_ms must be >= 0, got {p.sla_eps_ms}")
+    need(p.forecast_after >= 1, f"policy.forecast_after must be >= 1, got {p.forecast_after}")
+    need(0 <= p.forecast_carry_over <= 1, f"policy.forecast_carry_over must be in [0, 1], got {p.forecast_carry_over}")
     need(p.order in ("fifo", "longest_first"), f"policy.order: {p.order!r} is not fifo or longest_first")
     need(p.sla_relax >= 0 and p.sla_hold >= 0 and p.sla_chunk_relax_tokens >= 0 and p.sla_chunk_hold_tokens >= 0,
          "policy.sla_relax, sla_hold, sla_chunk_relax_tokens and sla_chunk_hold_tokens must be >= 0")

@@ -173,10 +173,12 @@ class RolloutEngine:
         submitted = []
         keys = [prompt_key(p.token_ids) for p in prompts]
         known = int((~np.isnan(self.prompt_lengths.predict(keys))).sum())
-        scales, order = np.ones(len(prompts)), range(len(prompts))
+        scales, order, prior = np.ones(len(prompts)), range(len(prompts)), np.array([])
         if self.cfg.policy.order == "longest_first":
             scales = self.prompt_lengths.scales(keys)
             order = sorted(order, key=lambda i: -scales[i])  # stable: ties keep the set's order
+            prior = self.prompt_lengths.prior(keys, scales)
+        self._write_prior(prior)
         for index in order:
             prompt = prompts[index]
             for sample in range(n):
@@ -230,6 +232,18 @@ class RolloutEngine:
         summary["prompt_lengths"] = {"order": self.cfg.policy.order, "prompts_predicted": known,
                                      "path": str(self.prompt_lengths_path)}
         return GenerationResult(records=records, summary=summary, trace=trace.records)
+
+    def _write_prior(self, lengths: np.ndarray) -> None:
+        """The scheduler reads this when the pass's first request arrives (see the adapter's _read_prior)."""
+        from rollout.vllm_adapter import PASS_PRIOR_FILE
+
+        path = self.workdir / PASS_PRIOR_FILE
+        if len(lengths) == 0:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"lengths": np.round(lengths, 2).tolist()}))
+        os.replace(tmp, path)
 
     def _remember_lengths(self, keys: list[str], new: list[dict]) -> None:
         """Each prompt's outputs of this pass update its predicted length for the next pass."""

@@ -37,6 +37,7 @@ SETTINGS_KEY = "rollout"
 
 
 LENGTH_SCALE_KEY = "rollout_length_scale"
+PASS_PRIOR_FILE = "pass_prior.json"  # beside the trace: the driver's expected lengths for the next pass
 
 
 def length_scale(request) -> float:
@@ -72,6 +73,7 @@ class _DynamicBatchMixin:
         self.stats_out = settings.get("stats_out")
         trace_path = Path(settings["trace_path"])
         trace_path.parent.mkdir(parents=True, exist_ok=True)
+        self._prior_path = trace_path.with_name(PASS_PRIOR_FILE)
         self._trace = trace_path.open("a", buffering=1 << 16)
         self._trace.write(json.dumps({"event": "start", "policy": self.batch_policy.name,
                                       "kv_capacity_blocks": self.kv_capacity_blocks,
@@ -93,12 +95,19 @@ class _DynamicBatchMixin:
 
     def add_request(self, request) -> None:
         if self._pending == 0:  # requests arrive at an idle engine: a new pass (RL iteration)
-            self.batch_policy.start_pass()
+            self.batch_policy.start_pass(self._read_prior())
         super().add_request(request)
         self._pending += 1
         self._scaled = self._scaled or length_scale(request) != 1.0
         self._pending_prompt_tokens += request.num_prompt_tokens
         self._pending_max_tokens += request.max_tokens
+
+    def _read_prior(self) -> np.ndarray | None:
+        # The driver writes it before submitting a pass, so it is in place when the first request arrives.
+        try:
+            return np.asarray(json.loads(self._prior_path.read_text())["lengths"], dtype=float)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def _free_request(self, request, *args, **kwargs):
         # Every finish (stop, length, abort of a stop string) passes here once.

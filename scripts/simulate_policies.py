@@ -1,13 +1,18 @@
 """Schedulers on the GPU suite's workloads in the simulator, with the step-time model fitted to the H200 8B
 kv-bound runs (docs/benchmarks.md), no GPU needed. Prints tok/s, preemptions and recomputed share.
 
-    python scripts/simulate_policies.py vllm,memory,forecast,oracle "only=[kv-bound,grpo-groups]"
+    python scripts/simulate_policies.py vllm,memory,forecast,forecast-lpt,oracle "only=[kv-bound,grpo-groups]"
+
+forecast-lpt keeps a per-prompt memory across iterations as RolloutEngine does with policy.order=longest_first.
 """
 import sys
 import time
 
+import numpy as np
+
 from rollout.bench import load_bench_config, scheduler_policy
 from rollout.policy import make_policy
+from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.sim.engine import StepTimeModel, simulate
 from rollout.workloads import profile_requests
 
@@ -20,22 +25,38 @@ for profile in bench.profiles:
     for name in names:
         settings = scheduler_policy(bench, "static-1024" if name == "vllm" else name)
         policy = make_policy(settings)
+        memory = PromptLengths()  # what RolloutEngine keeps for policy.order=longest_first
         clock = gen = pre = rec = 0
         t0 = time.time()
+        per_iteration = []
         for it in range(profile.iterations):
             reqs = profile_requests(profile, it, bench.seed, bench.vocab_size)
+            keys = [prompt_key(r.prompt.token_ids) for r in reqs]
+            scales, prior = np.ones(len(reqs)), None
             if name == "oracle":
                 reqs = sorted(reqs, key=lambda r: -r.output_tokens)
-            res = simulate([(len(r.prompt.token_ids), r.output_tokens) for r in reqs], policy,
+            elif settings.get("order") == "longest_first":
+                scales = memory.scales(keys)
+                prior = memory.prior(keys, scales) if memory.last else None
+                order = sorted(range(len(reqs)), key=lambda i: -scales[i])
+                reqs, keys, scales = [reqs[i] for i in order], [keys[i] for i in order], scales[order]
+            res = simulate([(len(r.prompt.token_ids), r.output_tokens, s) for r, s in zip(reqs, scales)], policy,
                            kv_capacity_blocks=cap_tokens // 16, block_size=16, max_num_seqs=settings["b_max"],
-                           token_budget=8192, step_time=model)
+                           token_budget=8192, step_time=model, prior_lengths=prior)
+            by_prompt = {}
+            for key, r in zip(keys, reqs):
+                by_prompt.setdefault(key, []).append(r.output_tokens)
+            for key, lengths in by_prompt.items():
+                memory.update(key, lengths)
             clock += res.makespan_s
             gen += res.generated_tokens
             pre += res.preemptions
             rec += res.recomputed_tokens
+            per_iteration.append(f"{res.tokens_per_s:.0f}")
         row[name] = gen / clock
-        print(f"{profile.name:12s} {name:10s} {gen / clock:8.0f} tok/s  preemptions {pre:5d}  "
-              f"recomputed {rec / gen:.2%}  ({time.time() - t0:.1f} s to simulate)", flush=True)
+        print(f"{profile.name:12s} {name:12s} {gen / clock:8.0f} tok/s  preemptions {pre:5d}  "
+              f"recomputed {rec / gen:.2%}  per iteration {'/'.join(per_iteration)}  "
+              f"({time.time() - t0:.1f} s to simulate)", flush=True)
     base = row.get("vllm")
     if base:
         print("  ratios:", {k: round(v / base, 3) for k, v in row.items()}, flush=True)

@@ -1,5 +1,7 @@
 """Length-aware admission from censored length estimates (issue #4), without an engine, and in the simulator."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -83,7 +85,8 @@ def test_spread_and_less_memory_admit_fewer():
 
 
 def test_cold_start_is_algorithm_1_then_forecast():
-    policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "min_observations": 4})
+    policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "min_observations": 4,
+                          "forecast_after": 4})
     assert isinstance(policy, ForecastPolicy) and policy.needs_requests
     state = StepState(num_running=0, num_waiting=100, kv_capacity_blocks=1000, block_size=16,
                       pending_prompt_tokens_mean=100, pending_max_tokens_mean=1500,
@@ -137,7 +140,7 @@ def test_predicted_long_requests_admit_fewer():
 
 
 def test_forecast_skips_the_request_pass_while_nothing_changed():
-    policy = ForecastPolicy(0.05, 64, min_observations=2)
+    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
     for n in (100, 120, 140):
         policy.observe_finished(16, n)
     full = StepState(num_running=4, num_waiting=10, kv_capacity_blocks=30, block_size=16)
@@ -152,14 +155,18 @@ def test_forecast_skips_the_request_pass_while_nothing_changed():
     assert policy.wants_requests(StepState(num_running=3, num_waiting=10, kv_capacity_blocks=30, block_size=16))
 
 
-def test_a_new_pass_keeps_a_quarter_of_the_earlier_lengths():
-    policy = ForecastPolicy(0.05, 64)
+def test_a_new_pass_keeps_earlier_lengths_at_a_low_weight_or_takes_the_drivers_prior():
+    policy = ForecastPolicy(0.05, 64, carry_over=0.25)
     for n in range(100):
         policy.observe_finished(16, 50 + n)
     policy.start_pass()
     assert policy.lengths.count == pytest.approx(25.0)
     mean_before, _ = policy.lengths.conditional(np.array([0]))
     assert mean_before[0] == pytest.approx(100, abs=10)  # the shape is kept, only its weight falls
+    policy.start_pass(np.full(40, 400.0))
+    assert policy.lengths.count == pytest.approx(10.0)
+    mean_prior, _ = policy.lengths.conditional(np.array([0]))
+    assert mean_prior[0] == pytest.approx(400, abs=16)  # the prior replaced what was there
 
 
 @pytest.mark.engine
@@ -188,5 +195,8 @@ def test_prompt_memory_orders_and_scales_the_next_pass(tiny_model, tmp_path):
     for run in (first, second):
         assert [r["completion_tokens"] for r in run.records] == [n for n in lengths for _ in range(2)]
     memory = PromptLengths.load(tmp_path / "prompt_lengths.json")
-    predicted = memory.predict([prompt_key(p.token_ids) for p in prompts])
-    np.testing.assert_allclose(predicted, lengths)  # both passes had these lengths
+    keys = [prompt_key(p.token_ids) for p in prompts]
+    np.testing.assert_allclose(memory.predict(keys), lengths)  # both passes had these lengths
+    prior = json.loads((tmp_path / "pass_prior.json").read_text())["lengths"]  # what the second pass was told
+    scales = np.array(lengths) / np.mean(lengths)
+    np.testing.assert_allclose(sorted(prior), sorted(np.repeat(np.array(lengths) / scales, 2)), rtol=1e-3)

@@ -230,12 +230,14 @@ class PromptLengths:
     def __init__(self, keep: float = 0.3) -> None:
         self.keep = keep
         self.mean: dict[str, float] = {}
+        self.last: dict[str, list[int]] = {}  # each prompt's output lengths in its latest pass
 
     def predict(self, keys: list[str]) -> np.ndarray:
         return np.array([self.mean.get(k, np.nan) for k in keys], dtype=float)
 
     def update(self, key: str, output_tokens: list[int]) -> None:
         latest = float(np.mean(output_tokens))
+        self.last[key] = [int(n) for n in output_tokens]
         old = self.mean.get(key)
         self.mean[key] = latest if old is None else self.keep * old + (1.0 - self.keep) * latest
 
@@ -248,12 +250,24 @@ class PromptLengths:
         predicted[~known] = predicted[known].mean()
         return np.maximum(predicted / predicted.mean(), 1e-3)
 
+    def prior(self, keys: list[str], scales: np.ndarray) -> np.ndarray:
+        """What the next pass's lengths are expected to look like in the units its scales define: each known
+        prompt's latest lengths divided by its scale (each prompt once)."""
+        seen: dict[str, float] = {}
+        for key, scale in zip(keys, scales):
+            if key in self.last:
+                seen.setdefault(key, float(scale))
+        if not seen:
+            return np.array([])
+        return np.concatenate([np.asarray(self.last[k], dtype=float) / s for k, s in seen.items()])
+
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
                                          delete=False) as tmp:
-            json.dump({"format_version": 1, "keep": self.keep, "mean_output_tokens": self.mean}, tmp)
+            json.dump({"format_version": 1, "keep": self.keep, "mean_output_tokens": self.mean,
+                       "last_output_tokens": self.last}, tmp)
         os.replace(tmp.name, path)
 
     @classmethod
@@ -262,6 +276,7 @@ class PromptLengths:
             data = json.loads(Path(path).read_text())
             memory = cls(keep if keep is not None else data["keep"])
             memory.mean = {str(k): float(v) for k, v in data["mean_output_tokens"].items()}
+            memory.last = {str(k): [int(n) for n in v] for k, v in data.get("last_output_tokens", {}).items()}
             return memory
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"cannot read prompt length memory from {path}: {exc}") from exc

@@ -57,8 +57,9 @@ class StaticPolicy:
     def batch_cap(self, state: StepState) -> int:
         return clamp_cap(self.cap, state.num_running, 1, self.max_cap)
 
-    def start_pass(self) -> None:
-        """Requests arrive at an idle engine: a new pass over a prompt set (an RL iteration) begins."""
+    def start_pass(self, prior=None) -> None:
+        """Requests arrive at an idle engine: a new pass over a prompt set (an RL iteration) begins. `prior`:
+        expected output lengths of the pass, in the units of the requests' length scales (or None)."""
 
     def wants_requests(self, state: StepState) -> bool:
         """Whether this step's StepState must carry the per-request arrays (they cost a pass over requests)."""
@@ -232,9 +233,9 @@ class FallbackPolicy:
     def needs_requests(self) -> bool:
         return self.policy.needs_requests
 
-    def start_pass(self) -> None:
+    def start_pass(self, prior=None) -> None:
         try:
-            self.policy.start_pass()
+            self.policy.start_pass(prior)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 
@@ -321,5 +322,6 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
     if name == "forecast":
         from rollout.policy.forecast import ForecastPolicy
 
-        return ForecastPolicy(**memory)
+        return ForecastPolicy(forecast_after=int(settings.get("forecast_after", 32)),
+                              carry_over=float(settings.get("forecast_carry_over", 0.05)), **memory)
     return POLICIES[name](**memory)

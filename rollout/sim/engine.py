@@ -65,11 +65,12 @@ class SimResult:
 
 
 def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
-             token_budget: int, step_time: StepTimeModel, keep_trace: bool = False) -> SimResult:
+             token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
+             prior_lengths=None) -> SimResult:
     """Run `requests` ((prompt tokens, output tokens[, predicted length scale]), in arrival order) to
     completion under `policy`."""
     waiting = deque(SimRequest(*r) for r in requests)
-    policy.start_pass()
+    policy.start_pass(prior_lengths)
     running: list[SimRequest] = []
     free = kv_capacity_blocks
     clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
@@ -148,5 +149,5 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 pending_max -= r.output_tokens
                 policy.observe_finished(r.prompt_tokens, r.output_tokens, r.length_scale)
         if keep_trace:
-            trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks))
+            trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
     return SimResult(clock, generated, preemptions, recomputed, steps, trace)
