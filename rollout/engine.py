@@ -11,11 +11,12 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from rollout.batch import RolloutBatch
 from rollout.config import RunConfig
 from rollout.data import Prompt
 from rollout.models import resolve_model
@@ -331,6 +332,64 @@ class RolloutEngine:
             summary["length_stats"] = {"path": str(self.stats_out), "prior": str(self.stats_in) if self.stats_in
                                        else None, **json.loads(self.stats_out.read_text())["summary"]}
         return summary
+
+    def rollout(self, prompts: list, *, progress: bool = False, **sampling) -> RolloutBatch:
+        """One pass for a trainer, as a `RolloutBatch`. `prompts`: `Prompt` objects, strings (tokenized as
+        they are) or lists of token ids. `sampling` overrides `cfg.sampling` fields for this call (n,
+        temperature, top_p, max_tokens, logprobs, ...). Length statistics and the prompt memory carry over."""
+        prompts = [self._as_prompt(p, i) for i, p in enumerate(prompts)]
+        configured = self.cfg.sampling
+        try:
+            self.cfg.sampling = replace(configured, **sampling)
+        except TypeError as exc:
+            raise ValueError(f"rollout(): unknown sampling setting ({exc})") from None
+        try:
+            result = self.generate(prompts, progress=progress)
+        finally:
+            self.cfg.sampling = configured
+        return RolloutBatch.from_records(result.records, result.summary)
+
+    def _as_prompt(self, prompt, index: int) -> Prompt:
+        if isinstance(prompt, Prompt):
+            return prompt
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("rollout(): text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+            return Prompt(prompt_id=str(index), text=prompt, token_ids=self.tokenizer.encode(prompt))
+        token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError(f"rollout(): prompt {index} is empty")
+        return Prompt(prompt_id=str(index), text="", token_ids=token_ids)
+
+    def update_weights(self, weights) -> None:
+        """Load new weights into the running engine, without restarting it: a state dict or an iterable of
+        (name, tensor) named as the model's checkpoint (`model.state_dict()` of the same Hugging Face
+        architecture), all of them. vLLM's in-place reload (`reload_weights` on every worker); the prefix cache
+        is dropped, since its KV was computed with the old weights."""
+        from safetensors.torch import save_file
+
+        items = weights.items() if hasattr(weights, "items") else weights
+        # Clones: tied weights share storage, which safetensors refuses.
+        named = {str(name): tensor.detach().to("cpu").clone().contiguous() for name, tensor in items}
+        if not named:
+            raise ValueError("update_weights(): no tensors given")
+        # The engine runs in other processes and its RPC does not carry tensors: they go through a file that
+        # every worker reloads from, in place.
+        folder = self.workdir / "weights"
+        folder.mkdir(exist_ok=True)
+        tmp = folder / "model.safetensors.tmp"
+        save_file(named, str(tmp))
+        os.replace(tmp, folder / "model.safetensors")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU memory of the KV cache (level 1) and the weights (level 2) for training; GPU only
+        (vLLM's sleep mode, with `model.engine_kwargs.enable_sleep_mode=true`)."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
