@@ -53,6 +53,8 @@ class DataConfig:
     system_prompt: Optional[str] = None
     apply_chat_template: bool = True
     long_prompts: str = "fail"  # prompts longer than the context: fail the run, or skip them (listed in the summary)
+    # reasoning_gym sources: the dataset's own settings (e.g. {min_terms: 2, max_terms: 2, max_digits: 1}).
+    dataset_config: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -38,11 +38,11 @@ def extract_final_answer(completion: str) -> str:
     return numbers[-1].replace(",", "") if numbers else ""
 
 
-def _reasoning_gym_rows(name: str, size: int, seed: int) -> list[dict]:
+def _reasoning_gym_rows(name: str, size: int, seed: int, settings: dict | None = None) -> list[dict]:
     import reasoning_gym
 
     try:
-        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed)
+        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **(settings or {}))
     except Exception as exc:  # reasoning-gym raises several types for unknown names
         raise DataError(f"reasoning-gym has no usable dataset {name!r}: {exc}") from exc
     rows = []
@@ -112,9 +112,9 @@ def _file_rows(path: str) -> list[dict]:
     return loaded.to_list()
 
 
-def load_rows(source: str, num_prompts: int | None, seed: int) -> list[dict]:
+def load_rows(source: str, num_prompts: int | None, seed: int, dataset_config: dict | None = None) -> list[dict]:
     if source.startswith(REASONING_GYM_PREFIX):
-        return _reasoning_gym_rows(source[len(REASONING_GYM_PREFIX):], num_prompts or 64, seed)
+        return _reasoning_gym_rows(source[len(REASONING_GYM_PREFIX):], num_prompts or 64, seed, dataset_config)
     rows = _file_rows(source)
     return rows[:num_prompts] if num_prompts else rows
 
@@ -175,7 +175,7 @@ def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_fie
 def load_prompts(data, tokenizer: Any, max_prompt_tokens: int) -> tuple[list[Prompt], list[dict]]:
     """The prompt set a `DataConfig` describes, rendered and tokenized, and the prompts skipped as too long."""
     return prepare_prompts(
-        load_rows(data.source, data.num_prompts, data.seed), tokenizer, source=data.source,
+        load_rows(data.source, data.num_prompts, data.seed, data.dataset_config), tokenizer, source=data.source,
         prompt_field=data.prompt_field, id_field=data.id_field, answer_field=data.answer_field,
         system_prompt=data.system_prompt, apply_chat_template=data.apply_chat_template,
         max_prompt_tokens=max_prompt_tokens, long_prompts=data.long_prompts)

@@ -366,11 +366,16 @@ class RolloutEngine:
         (name, tensor) named as the model's checkpoint (`model.state_dict()` of the same Hugging Face
         architecture), all of them. vLLM's in-place reload (`reload_weights` on every worker); the prefix cache
         is dropped, since its KV was computed with the old weights."""
+        import torch
         from safetensors.torch import save_file
 
         items = weights.items() if hasattr(weights, "items") else weights
-        # Clones: tied weights share storage, which safetensors refuses.
-        named = {str(name): tensor.detach().to("cpu").clone().contiguous() for name, tensor in items}
+        # In the engine's dtype (a trainer keeps fp32 masters); clones: tied weights share storage, which
+        # safetensors refuses.
+        dtype = getattr(torch, str(self.cfg.model.dtype), None)
+        dtype = dtype if isinstance(dtype, torch.dtype) else None
+        named = {str(name): tensor.detach().to("cpu", dtype=dtype if dtype and tensor.is_floating_point() else None)
+                 .clone().contiguous() for name, tensor in items}
         if not named:
             raise ValueError("update_weights(): no tensors given")
         # The engine runs in other processes and its RPC does not carry tensors: they go through a file that

@@ -62,3 +62,17 @@ def test_chat_template_and_field_names(tiny_model):
                                "<|im_end|>\n<|im_start|>assistant\n")
     assert prompts[1].text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert prompts[0].token_ids == tokenizer(prompts[0].text, add_special_tokens=False)["input_ids"]
+
+
+def test_reasoning_gym_dataset_settings_reach_the_generator():
+    rows = load_rows("reasoning_gym:basic_arithmetic", 20, seed=1,
+                     dataset_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                     "operators": ["+"]})
+    import re
+
+    for row in rows:
+        terms = [int(t) for t in re.findall(r"-?\d+", row["prompt"])]
+        assert len(terms) == 2 and all(abs(t) < 10 for t in terms) and "+" in row["prompt"]
+        assert row["score"](f"#### {row['answer']}") == 1.0
+    with pytest.raises(DataError, match="basic_arithmetic"):
+        load_rows("reasoning_gym:basic_arithmetic", 2, seed=0, dataset_config={"colour": "red"})
