@@ -32,6 +32,9 @@ class ModelConfig:
     block_size: Optional[int] = None
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
+    # Data parallel: engines, one process each (GPU k: device_ids[k], default k), prompts split by predicted work.
+    data_parallel_size: int = 1
+    device_ids: Optional[list] = None
     # Async scheduling is vLLM's default on GPU; CPU forces it off. None: vLLM decides.
     async_scheduling: Optional[bool] = None
     # None: vLLM default. Longer prompts than max_num_batched_tokens need chunked prefill.
@@ -178,6 +181,10 @@ def validate(cfg: RunConfig) -> None:
     need(p.sla_eps_ms is None or 0 <= p.sla_eps_ms, f"policy.sla_eps_ms must be >= 0, got {p.sla_eps_ms}")
     need(p.forecast_after >= 1, f"policy.forecast_after must be >= 1, got {p.forecast_after}")
     need(0 <= p.forecast_carry_over <= 1, f"policy.forecast_carry_over must be in [0, 1], got {p.forecast_carry_over}")
+    need(cfg.model.data_parallel_size >= 1,
+         f"model.data_parallel_size must be >= 1, got {cfg.model.data_parallel_size}")
+    need(cfg.model.device_ids is None or len(cfg.model.device_ids) >= cfg.model.data_parallel_size,
+         "model.device_ids must list a device for every engine (model.data_parallel_size)")
     need(p.order in ("fifo", "longest_first"), f"policy.order: {p.order!r} is not fifo or longest_first")
     need(p.sla_relax >= 0 and p.sla_hold >= 0 and p.sla_chunk_relax_tokens >= 0 and p.sla_chunk_hold_tokens >= 0,
          "policy.sla_relax, sla_hold, sla_chunk_relax_tokens and sla_chunk_hold_tokens must be >= 0")

@@ -76,20 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         (out_dir / TRACE_FILE).unlink(missing_ok=True)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    trace = []
     try:
-        with RolloutEngine(cfg, out_dir) as engine:
-            result = engine.generate(prompts, progress=cfg.output.progress, done=done, sink=store.append)
-    except (FileNotFoundError, ModelError) as exc:
+        if cfg.model.data_parallel_size > 1:
+            from rollout.parallel import generate_parallel
+
+            summary = generate_parallel(cfg, prompts, out_dir, done, store.append, cfg.model.data_parallel_size)
+        else:
+            with RolloutEngine(cfg, out_dir) as engine:
+                result = engine.generate(prompts, progress=cfg.output.progress, done=done, sink=store.append)
+            summary, trace = result.summary, result.trace
+    except (FileNotFoundError, ModelError, RuntimeError) as exc:
+        store.close()
         return fail(str(exc))
     except KeyboardInterrupt:
         store.close()
         print(f"\ninterrupted: {len(store.done)} of {len(order)} samples are safe in {store.samples_path}; "
               "run the same command again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
-    summary = result.summary
     summary["skipped_prompts"] = skipped
     summary["outputs"] = store.finalize(order, list(cfg.output.formats))
-    plot = plot_trace(result.trace, out_dir / "trace.png", f"{cfg.policy.name}: cap, running, KV use")
+    plot = plot_trace(trace, out_dir / "trace.png", f"{cfg.policy.name}: cap, running, KV use") if trace else None
     summary["plot"] = str(plot) if plot else None
     store.write_summary(summary)
     line = (f"{summary['num_samples']} samples ({summary['samples_generated']} generated now), "

@@ -43,6 +43,8 @@ def test_config_file_is_merged(tmp_path):
     (["policy.sla_relax=-1"], "must be >= 0"),
     (["policy.order=random"], "policy.order: 'random' is not fifo or longest_first"),
     (["policy.forecast_carry_over=2"], "policy.forecast_carry_over must be in [0, 1], got 2"),
+    (["model.data_parallel_size=0"], "model.data_parallel_size must be >= 1, got 0"),
+    (["model.data_parallel_size=2", "model.device_ids=[0]"], "model.device_ids must list a device for every"),
 ])
 def test_bad_values_fail_with_one_clear_message(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,127 @@
+"""Data parallel rollouts: one engine per GPU, each in its own process, prompts split by predicted work.
+
+The parent keeps the sample store (so a killed run resumes as a single-engine one does); each worker loads the
+same prompt set, runs `RolloutEngine.generate` on its share and streams finished samples back, renumbered to
+the whole set's order. Tensor parallelism inside an engine is vLLM's (`model.tensor_parallel_size`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import multiprocessing as mp
+import os
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rollout.config import RunConfig
+
+
+def split_by_work(work, parts: int) -> list[list[int]]:
+    """Indices into `work` in `parts` shares of near-equal total work: heaviest first, each to the lightest
+    share so far (longest processing time first). Each share keeps the original order."""
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    loads = [(0.0, k) for k in range(parts)]
+    for index in sorted(range(len(work)), key=lambda i: -work[i]):
+        load, k = heapq.heappop(loads)
+        shares[k].append(index)
+        heapq.heappush(loads, (load + float(work[index]), k))
+    return [sorted(share) for share in shares]
+
+
+def predicted_work(prompts, n: int, max_tokens: int, memory=None) -> np.ndarray:
+    """Tokens each prompt will cost: n samples of its prompt plus its predicted output (the prompt memory of
+    earlier passes where known, else half of max_tokens)."""
+    from rollout.policy.length_stats import prompt_key
+
+    predicted = np.full(len(prompts), max_tokens / 2.0)
+    if memory is not None:
+        known = memory.predict([prompt_key(p.token_ids) for p in prompts])
+        predicted = np.where(np.isnan(known), predicted, known)
+    return n * (np.array([len(p.token_ids) for p in prompts]) + predicted)
+
+
+def _worker(rank: int, cfg: RunConfig, indices: list[int], done: set, workdir: str, messages) -> None:
+    # Before torch or vLLM is imported in this fresh process: engine k sees only its own GPU (harmless on CPU).
+    devices = cfg.model.device_ids or list(range(cfg.model.data_parallel_size))
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(devices[rank])
+    try:
+        from transformers import AutoTokenizer
+
+        from rollout.data import load_prompts
+        from rollout.engine import RolloutEngine
+        from rollout.models import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path))
+        prompts, _ = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
+        share = [prompts[i] for i in indices]
+        mine = {key: record for key, record in done.items() if key[0] in {p.prompt_id for p in share}}
+
+        def send(records):  # copies: the engine keeps its own (share-relative) records
+            messages.put(("records", rank, [{**r, "group_index": indices[r["group_index"]]} for r in records]))
+
+        with RolloutEngine(cfg, workdir) as engine:
+            result = engine.generate(share, progress=False, done=mine, sink=send)
+        summary = {k: v for k, v in result.summary.items() if k != "series"}
+        messages.put(("done", rank, summary))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the run
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        messages.put(("error", rank, f"{type(exc).__name__}: {exc} ({Path(where.filename).name}:{where.lineno})"))
+
+
+def generate_parallel(cfg: RunConfig, prompts, out_dir: Path, done: dict, sink, engines: int) -> dict:
+    """Every prompt's samples over `engines` engine processes; finished samples go to `sink` as they come.
+    Returns the merged summary (tokens/s over the whole run and per engine)."""
+    from rollout.engine import RolloutEngine  # noqa: F401 - fail here, not in every worker, if vLLM is missing
+
+    shares = split_by_work(predicted_work(prompts, cfg.sampling.n, cfg.sampling.max_tokens), engines)
+    context = mp.get_context("spawn")  # vLLM and torch state must not be forked
+    messages = context.Queue()
+    workers = [context.Process(target=_worker, args=(rank, cfg, share, done, str(out_dir / f"engine-{rank}"),
+                                                     messages), daemon=False)
+               for rank, share in enumerate(shares)]
+    started = time.monotonic()
+    for worker in workers:
+        worker.start()
+    summaries: dict[int, dict] = {}
+    try:
+        while len(summaries) < len(workers):
+            try:
+                kind, rank, payload = messages.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w for r, w in enumerate(workers) if r not in summaries and not w.is_alive()]
+                if dead and messages.empty():
+                    raise RuntimeError(f"engine process {workers.index(dead[0])} exited ({dead[0].exitcode}) "
+                                       "without a result")
+                continue
+            if kind == "records":
+                sink(payload)
+            elif kind == "done":
+                summaries[rank] = payload
+            else:
+                raise RuntimeError(f"engine {rank}: {payload}")
+    finally:
+        for worker in workers:
+            if worker.is_alive() and len(summaries) < len(workers):
+                worker.terminate()
+            worker.join(timeout=30)
+    wall = time.monotonic() - started
+    per_engine = [summaries[r] for r in range(len(workers))]
+    generated = sum(s["generated_tokens"] for s in per_engine)
+    return {
+        "policy": cfg.policy.name, "engines": len(workers), "wall_time_s": round(wall, 3),
+        "num_samples": sum(s["num_samples"] for s in per_engine),
+        "samples_generated": sum(s["samples_generated"] for s in per_engine),
+        "generated_tokens": generated, "generated_tokens_per_s": round(generated / wall, 2) if wall > 0 else None,
+        "generated_tokens_per_s_per_engine": [s["generated_tokens_per_s"] for s in per_engine],
+        "preemptions": sum(s["preemptions"] for s in per_engine),
+        **({"reward_mean": float(np.average([s["reward_mean"] for s in per_engine],
+                                            weights=[s["num_samples"] for s in per_engine]))}
+           if all("reward_mean" in s for s in per_engine) else {}),
+        "prompts_per_engine": [len(share) for share in shares],
+        "per_engine": per_engine,
+    }
