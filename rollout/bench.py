@@ -5,7 +5,8 @@ one starts), in one process on one machine. Schedulers: "vllm" (vLLM untouched, 
 "static-N" (our adapter with a fixed cap N = max_num_seqs), "memory" (Algorithm 1), "memory-clt", "forecast"
 (length-aware admission from censored length estimates), "forecast-lpt" (forecast with each prompt's
 predicted length from earlier iterations: longest first, and scaled estimates), and
-"oracle" (true lengths, longest first; a reference, not a policy one can deploy).
+"oracle" (true lengths, longest first; a reference, not a policy one can deploy) and "oracle-fcfs" (the same
+admission in submission order, which separates what admission and what order are worth).
 
 Writes results.json, results.md (a table per profile), throughput.png (median and spread per scheduler) and
 timeline-<profile>.png (running batch and KV use over time) into the output folder.
@@ -71,9 +72,9 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
             raise ConfigError(f"only: no profile named {sorted(unknown)}")
         bench.profiles = [p for p in bench.profiles if p.name in bench.only]
     for name in bench.schedulers:
-        if name not in ("vllm", "memory", "memory-clt", "forecast", "forecast-lpt", "oracle") and not (
+        if name not in ("vllm", "memory", "memory-clt", "forecast", "forecast-lpt", "oracle", "oracle-fcfs") and not (
                 name.startswith("static-") and name[7:].isdigit()):
-            raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, forecast, forecast-lpt, oracle)")
+            raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, forecast, forecast-lpt, oracle, oracle-fcfs)")
     return bench
 
 
@@ -90,6 +91,8 @@ def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
     """The policy settings a scheduler name stands for ("static-N": a fixed cap N that is also max_num_seqs)."""
     if scheduler.startswith("static-"):
         return {"name": "static", "b_max": int(scheduler[7:])}
+    if scheduler == "oracle-fcfs":  # the oracle's admission in submission order: its gain without the order
+        return {"name": "oracle", "b_max": bench.b_max, "eps_m": bench.eps_m}
     if scheduler == "forecast-lpt":  # forecast, prompts longest-predicted first from earlier iterations
         return {"name": "forecast", "order": "longest_first", "b_max": bench.b_max, "eps_m": bench.eps_m}
     return {"name": scheduler, "b_max": bench.b_max, "eps_m": bench.eps_m}
