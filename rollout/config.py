@@ -32,7 +32,7 @@ class ModelConfig:
     block_size: Optional[int] = None
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
-    # Data parallel: engines, one process each (GPU k: device_ids[k], default k), prompts split by predicted work.
+    # Data parallel: engines, one process each (GPU k: device_ids[k], default k), prompts split by their work.
     data_parallel_size: int = 1
     device_ids: Optional[list] = None
     # Async scheduling is vLLM's default on GPU; CPU forces it off. None: vLLM decides.

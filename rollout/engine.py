@@ -241,10 +241,8 @@ class RolloutEngine:
         path = self.workdir / PASS_PRIOR_FILE
         if len(lengths) == 0:
             path.unlink(missing_ok=True)
-            return
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"lengths": np.round(lengths, 2).tolist()}))
-        os.replace(tmp, path)
+        else:  # written before the pass's first request is submitted: no reader can see it half-written
+            path.write_text(json.dumps({"lengths": np.round(lengths, 2).tolist()}))
 
     def _remember_lengths(self, keys: list[str], new: list[dict]) -> None:
         """Each prompt's outputs of this pass update its predicted length for the next pass."""
@@ -379,12 +377,10 @@ class RolloutEngine:
         if not named:
             raise ValueError("update_weights(): no tensors given")
         # The engine runs in other processes and its RPC does not carry tensors: they go through a file that
-        # every worker reloads from, in place.
+        # every worker reloads from, in place (rewritten by each update, read only during this call).
         folder = self.workdir / "weights"
         folder.mkdir(exist_ok=True)
-        tmp = folder / "model.safetensors.tmp"
-        save_file(named, str(tmp))
-        os.replace(tmp, folder / "model.safetensors")
+        save_file(named, str(folder / "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
         self.llm.reset_prefix_cache()
 

@@ -31,19 +31,13 @@ def split_by_work(work, parts: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def predicted_work(prompts, n: int, max_tokens: int, memory=None) -> np.ndarray:
-    """Tokens each prompt will cost: n samples of its prompt plus its predicted output (the prompt memory of
-    earlier passes where known, else half of max_tokens)."""
-    from rollout.policy.length_stats import prompt_key
-
-    predicted = np.full(len(prompts), max_tokens / 2.0)
-    if memory is not None:
-        known = memory.predict([prompt_key(p.token_ids) for p in prompts])
-        predicted = np.where(np.isnan(known), predicted, known)
-    return n * (np.array([len(p.token_ids) for p in prompts]) + predicted)
+def predicted_work(prompts, n: int, max_tokens: int) -> np.ndarray:
+    """Tokens each prompt will cost: n samples of its prompt plus an output of half of max_tokens (the prompt
+    memory of earlier passes lives in each engine's folder and is not consulted for the split yet)."""
+    return n * (np.array([len(p.token_ids) for p in prompts]) + max_tokens / 2.0)
 
 
-def _worker(rank: int, cfg: RunConfig, indices: list[int], done: set, workdir: str, messages) -> None:
+def _worker(rank: int, cfg: RunConfig, indices: list[int], done: dict, workdir: str, messages) -> None:
     # Before torch or vLLM is imported in this fresh process: engine k sees only its own GPU (harmless on CPU).
     devices = cfg.model.device_ids or list(range(cfg.model.data_parallel_size))
     os.environ["CUDA_VISIBLE_DEVICES"] = str(devices[rank])
@@ -57,7 +51,8 @@ def _worker(rank: int, cfg: RunConfig, indices: list[int], done: set, workdir: s
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path))
         prompts, _ = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
         share = [prompts[i] for i in indices]
-        mine = {key: record for key, record in done.items() if key[0] in {p.prompt_id for p in share}}
+        share_ids = {p.prompt_id for p in share}
+        mine = {key: record for key, record in done.items() if key[0] in share_ids}
 
         def send(records):  # copies: the engine keeps its own (share-relative) records
             messages.put(("records", rank, [{**r, "group_index": indices[r["group_index"]]} for r in records]))

@@ -196,15 +196,7 @@ class LengthStats:
         return stats
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically: a crash mid-write leaves the previous file intact."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
-                                         delete=False) as tmp:
-            json.dump(self.to_dict(), tmp, indent=1)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp.name, path)
+        save_json(path, self.to_dict(), indent=1)
 
     @classmethod
     def load(cls, path: str | os.PathLike, **overrides) -> LengthStats:
@@ -213,6 +205,17 @@ class LengthStats:
             return cls.from_dict(data, **overrides)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"cannot read length statistics from {path}: {exc}") from exc
+
+
+def save_json(path: str | os.PathLike, data: dict, indent: int | None = None) -> None:
+    """Write atomically: a crash mid-write leaves the previous file intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as tmp:
+        json.dump(data, tmp, indent=indent)
+        tmp.flush()
+        os.fsync(tmp.fileno())
+    os.replace(tmp.name, path)
 
 
 def prompt_key(token_ids) -> str:
@@ -262,13 +265,8 @@ class PromptLengths:
         return np.concatenate([np.asarray(self.last[k], dtype=float) / s for k, s in seen.items()])
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
-                                         delete=False) as tmp:
-            json.dump({"format_version": 1, "keep": self.keep, "mean_output_tokens": self.mean,
-                       "last_output_tokens": self.last}, tmp)
-        os.replace(tmp.name, path)
+        save_json(path, {"format_version": 1, "keep": self.keep, "mean_output_tokens": self.mean,
+                         "last_output_tokens": self.last})
 
     @classmethod
     def load(cls, path: str | os.PathLike, keep: float | None = None) -> PromptLengths:
