@@ -1,5 +1,7 @@
 """Schedulers on the GPU suite's workloads in the simulator, with the step-time model fitted to the H200 8B
-kv-bound runs (docs/benchmarks.md), no GPU needed. Prints tok/s, preemptions and recomputed share.
+kv-bound runs (docs/benchmarks/kv-bound-h200-steps.jsonl.gz), no GPU needed. Prints tok/s, preemptions and
+recomputed share. Those runs' contexts are too short to price reading the KV cache, so that term is fixed at
+the 8B shape's 128 KiB per token over ~4 TB/s of HBM (it matters for long-cot).
 
     python scripts/simulate_policies.py vllm,memory,forecast,forecast-lpt,oracle "only=[kv-bound,grpo-groups]"
 
@@ -7,16 +9,22 @@ forecast-lpt keeps a per-prompt memory across iterations as RolloutEngine does w
 """
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from rollout.bench import load_bench_config, scheduler_policy
 from rollout.policy import make_policy
 from rollout.policy.length_stats import PromptLengths, prompt_key
-from rollout.sim.engine import StepTimeModel, simulate
+from rollout.sim.engine import simulate
+from rollout.sim.fit import fit_step_time, step_rows
 from rollout.workloads import profile_requests
 
-model = StepTimeModel(base=4.62e-3, per_seq=36.9e-6, per_kv_token=13.3e-9, per_prefill_token=2.8e-6)
+STEPS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "kv-bound-h200-steps.jsonl.gz"
+model, _ = fit_step_time(step_rows(STEPS), per_kv_token=128 * 1024 / 4.0e12)
+print(f"step time = {model.base * 1e3:.2f} ms + {model.per_seq * 1e6:.2f} us/seq + {model.per_kv_token * 1e9:.1f} "
+      f"ns/KV token + {model.per_prefill_token * 1e6:.2f} us/prefill token + {model.per_mixed_step * 1e3:.2f} ms "
+      f"per step with prefill", flush=True)
 bench = load_bench_config("configs/bench/gpu.yaml", sys.argv[2:])
 names = sys.argv[1].split(",")
 for profile in bench.profiles:
@@ -42,7 +50,7 @@ for profile in bench.profiles:
                 reqs, keys, scales = [reqs[i] for i in order], [keys[i] for i in order], scales[order]
             res = simulate([(len(r.prompt.token_ids), r.output_tokens, s) for r, s in zip(reqs, scales)], policy,
                            kv_capacity_blocks=cap_tokens // 16, block_size=16, max_num_seqs=settings["b_max"],
-                           token_budget=8192, step_time=model, prior_lengths=prior)
+                           token_budget=16384, step_time=model, prior_lengths=prior)
             by_prompt = {}
             for key, r in zip(keys, reqs):
                 by_prompt.setdefault(key, []).append(r.output_tokens)

@@ -169,6 +169,23 @@ def test_a_new_pass_keeps_earlier_lengths_at_a_low_weight_or_takes_the_drivers_p
     assert mean_prior[0] == pytest.approx(400, abs=16)  # the prior replaced what was there
 
 
+def test_saved_statistics_seed_the_estimate_as_an_earlier_pass(tmp_path):
+    from rollout.policy import LengthStats
+
+    earlier = LengthStats()
+    for n in range(400):
+        earlier.observe(16, 200 + n % 100)
+    earlier.save(tmp_path / "stats.json")
+    policy = ForecastPolicy(0.05, 64, carry_over=0.25, stats=LengthStats.load(tmp_path / "stats.json"))
+    assert policy.lengths.count == pytest.approx(400)
+    policy.start_pass()  # the first pass of the new run: saved lengths count as an earlier pass
+    assert policy.lengths.count == pytest.approx(100)
+    mean, _ = policy.lengths.conditional(np.array([0]))
+    assert mean[0] == pytest.approx(250, abs=10)
+    # 100 >= forecast_after: the first steps already forecast (no worst-case cold start)
+    assert policy._forecasting(StepState(num_running=0, num_waiting=5, kv_capacity_blocks=100, block_size=16))
+
+
 @pytest.mark.engine
 def test_prompt_memory_orders_and_scales_the_next_pass(tiny_model, tmp_path):
     from omegaconf import OmegaConf

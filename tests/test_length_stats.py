@@ -116,7 +116,27 @@ def test_save_load_roundtrip(tmp_path, forgetting):
         a, b = getattr(stats, name), getattr(loaded, name)
         assert (b.count, b.mean, b.variance) == pytest.approx((a.count, a.mean, a.variance))
     assert loaded.demand_blocks(128) == pytest.approx(stats.demand_blocks(128))
+    assert loaded.output_histogram == pytest.approx(stats.output_histogram)
     assert not list(path.parent.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("forgetting", ["none", "window", "exponential"])
+def test_output_histogram_weighs_lengths_as_the_moments_do(forgetting):
+    from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS
+
+    stats = LengthStats(forgetting=forgetting, window=50, decay=0.9)
+    rng = np.random.default_rng(4)
+    outputs = rng.integers(0, 900, 120)
+    for n in outputs:
+        stats.observe(10, int(n))
+    histogram = stats.output_histogram
+    assert histogram.sum() == pytest.approx(stats.output_tokens.weight)
+    centers = (np.arange(len(histogram)) + 0.5) * HISTOGRAM_BIN_TOKENS
+    # the histogram's mean is the moments' mean to within half a bin
+    assert (histogram * centers).sum() / histogram.sum() == pytest.approx(stats.output_tokens.mean,
+                                                                          abs=HISTOGRAM_BIN_TOKENS / 2)
+    if forgetting == "none":
+        assert histogram == pytest.approx(np.bincount(outputs // HISTOGRAM_BIN_TOKENS))
 
 
 def test_load_rejects_bad_files(tmp_path):
@@ -139,6 +159,7 @@ def test_merged_stats_match_single_stream():
         whole.observe(p, o)
         (first if i < 40 else second).observe(p, o)
     first.merge(second)
+    assert first.output_histogram == pytest.approx(whole.output_histogram)
     assert first.count == whole.count
     assert first.demand_blocks(16) == pytest.approx(whole.demand_blocks(16))
     assert first.total_tokens.variance == pytest.approx(whole.total_tokens.variance)

@@ -8,7 +8,7 @@ from rollout.policy import make_policy
 from rollout.sim import StepTimeModel, fit_step_time, simulate
 from rollout.workloads import ProfileConfig, profile_requests
 
-MODEL = StepTimeModel(base=0.01, per_seq=1e-4, per_kv_token=1e-7, per_prefill_token=1e-5)
+MODEL = StepTimeModel(base=0.01, per_seq=1e-4, per_kv_token=1e-7, per_prefill_token=1e-5, per_mixed_step=2e-3)
 
 
 def workload(n=200, seed=0):
@@ -61,11 +61,34 @@ def test_fit_recovers_a_known_step_time_model(tmp_path):
     from rollout.sim.fit import step_rows
 
     model, error = fit_step_time(step_rows(path))
+    assert model.per_mixed_step == pytest.approx(MODEL.per_mixed_step, rel=1e-3)
     assert model.base == pytest.approx(MODEL.base, rel=1e-3)
     assert model.per_seq == pytest.approx(MODEL.per_seq, rel=1e-3)
     assert model.per_kv_token == pytest.approx(MODEL.per_kv_token, rel=1e-3)
     assert model.per_prefill_token == pytest.approx(MODEL.per_prefill_token, rel=1e-3)
     assert error < 1e-6
+
+
+def test_fit_keeps_slow_prefill_steps_and_drops_hiccups(tmp_path):
+    # Big prefills are the slow steps that price prefill (and so recomputation); a slow decode-only step is
+    # a host hiccup and must not be read as a step.
+    model = StepTimeModel(base=5e-3, per_seq=25e-6, per_kv_token=0.0, per_prefill_token=17e-6, per_mixed_step=5e-3)
+    rng = np.random.default_rng(1)
+    steps, t = [], 0.0
+    for i in range(2000):
+        running = int(rng.integers(50, 250))
+        prefill = 0 if i == 700 else int(rng.choice([0, 0, 0, 300, 16000]))
+        steps.append([t, running, running + prefill, 0.5, 0])
+        t += model(running, 0, prefill) + (1.0 if i == 700 else 0.0)  # one 1 s stall of the host
+    path = tmp_path / "steps-y.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"scheduler": "vllm", "rep": 0, "kv_capacity_tokens": 1000, "steps": steps}))
+    from rollout.sim.fit import step_rows
+
+    fitted, _ = fit_step_time(step_rows(path), per_kv_token=0.0)
+    assert fitted.per_prefill_token == pytest.approx(17e-6, rel=1e-3)
+    assert fitted.per_mixed_step == pytest.approx(5e-3, rel=1e-2)
+    assert fitted.base == pytest.approx(5e-3, rel=1e-2)
 
 
 def test_a_prompt_larger_than_the_cache_is_an_error_not_a_hang():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS
 from rollout.policy.memory import clamp_cap
 from rollout.policy.policies import MemoryPolicy, StepState
 
@@ -56,7 +57,10 @@ class CensoredLengths:
             from scipy import stats
 
             centers = (np.arange(len(self.finished)) + 0.5) * self.bin_tokens
-            data = stats.CensoredData(uncensored=np.log(np.repeat(centers, np.round(self.finished).astype(int))),
+            # Carried-over passes weigh each length by a fraction: rounding the running total (not each bin)
+            # keeps their mass and shape.
+            counts = np.diff(np.round(np.cumsum(self.finished)), prepend=0.0).astype(int)
+            data = stats.CensoredData(uncensored=np.log(np.repeat(centers, counts)),
                                       right=np.log(np.maximum(generated, 1)))
             log_mean, log_sd = stats.norm.fit(data)
             self._tail_fit = (self.count, float(log_mean), float(max(log_sd, 1e-3)))
@@ -184,6 +188,11 @@ class ForecastPolicy(MemoryPolicy):
         # instead of 32 preempted 2-4% of the tokens of the long-cot and real profiles).
         self.min_observations = max(self.min_observations, forecast_after)
         self.lengths = CensoredLengths(bin_tokens, tail)
+        # Saved statistics carry earlier runs' lengths: they seed the estimate as earlier passes do (the first
+        # pass's start weighs them by carry_over).
+        for k, weight in enumerate(self.stats.output_histogram):
+            if weight > 0:
+                self.lengths.observe((k + 0.5) * HISTOGRAM_BIN_TOKENS, weight)
         self.carry_over = carry_over  # weight of earlier passes' lengths when a new pass starts
         self.admitted_last = 0
         self._forecast_at: tuple[int, int] | None = None  # (finished count, running count) of the last forecast

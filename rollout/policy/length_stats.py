@@ -19,6 +19,7 @@ import numpy as np
 
 FORGETTING_MODES = ("none", "window", "exponential")
 STATS_FORMAT_VERSION = 1
+HISTOGRAM_BIN_TOKENS = 16  # the length forecast's bin width (policy/forecast.py)
 
 
 @dataclass
@@ -123,6 +124,8 @@ class LengthStats:
         self.output_tokens = self._moments()
         self.total_tokens = self._moments()
         self.total_blocks = self._moments()
+        # Output lengths per HISTOGRAM_BIN_TOKENS bin, weighted as the moments are (the forecast's prior shape).
+        self._histogram = np.zeros(0)
 
     def _moments(self) -> Moments:
         return Moments(forgetting=self.forgetting, window=self.window, decay=self.decay)
@@ -138,6 +141,24 @@ class LengthStats:
         self.total_tokens.add(total)
         if self.block_size:
             self.total_blocks.add(math.ceil(total / self.block_size))
+        if self.forgetting != "window":
+            if self.forgetting == "exponential":
+                self._histogram *= self.decay
+            self._add_to_histogram(output_tokens, 1.0)
+
+    def _add_to_histogram(self, output_tokens: float, weight: float) -> None:
+        k = int(output_tokens // HISTOGRAM_BIN_TOKENS)
+        if k >= len(self._histogram):
+            self._histogram = np.pad(self._histogram, (0, max(k + 1, 2 * len(self._histogram)) - len(self._histogram)))
+        self._histogram[k] += weight
+
+    @property
+    def output_histogram(self) -> np.ndarray:
+        """Weight of finished requests per output-length bin of HISTOGRAM_BIN_TOKENS tokens."""
+        if self.forgetting == "window":
+            values = np.asarray(self.output_tokens.recent, dtype=float)
+            return np.bincount((values // HISTOGRAM_BIN_TOKENS).astype(np.int64)).astype(float)
+        return np.trim_zeros(self._histogram, "b")
 
     def set_block_size(self, block_size: int) -> None:
         """Fix the block size; block moments kept for another block size are dropped."""
@@ -162,6 +183,9 @@ class LengthStats:
             getattr(self, name).merge(getattr(other, name))
         if self.block_size == other.block_size:
             self.total_blocks.merge(other.total_blocks)
+        for k, weight in enumerate(other.output_histogram):
+            if weight:
+                self._add_to_histogram(k * HISTOGRAM_BIN_TOKENS, weight)
 
     def to_dict(self) -> dict:
         return {
@@ -172,6 +196,8 @@ class LengthStats:
             "output_tokens": self.output_tokens.to_dict(),
             "total_tokens": self.total_tokens.to_dict(),
             "total_blocks": self.total_blocks.to_dict(),
+            "output_histogram": {"bin_tokens": HISTOGRAM_BIN_TOKENS,
+                                 "weights": [float(w) for w in self.output_histogram]},
             "summary": self.summary(),
         }
 
@@ -193,6 +219,12 @@ class LengthStats:
                     decay=decay or data["decay"], block_size=data.get("block_size"))
         for name in ("prompt_tokens", "output_tokens", "total_tokens", "total_blocks"):
             getattr(stats, name).load_dict(data[name])
+        histogram = data.get("output_histogram")  # absent in files written before it existed
+        if histogram and stats.forgetting != "window":
+            if histogram["bin_tokens"] != HISTOGRAM_BIN_TOKENS:
+                raise ValueError(f"output_histogram bins of {histogram['bin_tokens']} tokens, "
+                                 f"expected {HISTOGRAM_BIN_TOKENS}")
+            stats._histogram = np.asarray(histogram["weights"], dtype=float)
         return stats
 
     def save(self, path: str | os.PathLike) -> None:

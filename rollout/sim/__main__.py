@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", required=True, help="a benchmark output folder")
-    parser.add_argument("--token-budget", type=int, default=8192, help="vLLM's max_num_batched_tokens")
+    parser.add_argument("--token-budget", type=int, default=16384,
+                        help="vLLM's max_num_batched_tokens (its offline default on H100/H200-class GPUs)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         capacity_tokens = max(run["kv_capacity_tokens"] or 0 for run in runs)  # "vllm" runs record none
         print(f"### {profile.name}: step time = {model.base * 1e3:.2f} ms + {model.per_seq * 1e6:.2f} us/seq + "
               f"{model.per_kv_token * 1e9:.3f} ns/KV token + {model.per_prefill_token * 1e6:.2f} us/prefill token "
+              f"+ {model.per_mixed_step * 1e3:.2f} ms per step with prefill "
               f"(total-time error of the fit {fit_error:.1%})\n")
         print("| scheduler | measured tok/s | simulated tok/s | error | measured preemptions | simulated |")
         print("|---|---|---|---|---|---|")

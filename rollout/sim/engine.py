@@ -20,16 +20,18 @@ from rollout.policy import StepState
 
 @dataclass
 class StepTimeModel:
-    """seconds = base + per_seq * decode_seqs + per_kv_token * kv_tokens_read + per_prefill_token * prefill_tokens"""
+    """seconds = base + per_seq * decode_seqs + per_kv_token * kv_tokens_read + per_prefill_token * prefill_tokens
+    + per_mixed_step if the step runs any prefill (on GPU such a step leaves the decode-only CUDA graph)."""
 
     base: float = 0.01
     per_seq: float = 2e-5
     per_kv_token: float = 1e-8
     per_prefill_token: float = 5e-5
+    per_mixed_step: float = 0.0
 
     def __call__(self, decode_seqs: int, kv_tokens: int, prefill_tokens: int) -> float:
         return (self.base + self.per_seq * decode_seqs + self.per_kv_token * kv_tokens
-                + self.per_prefill_token * prefill_tokens)
+                + self.per_prefill_token * prefill_tokens + (self.per_mixed_step if prefill_tokens else 0.0))
 
 
 @dataclass

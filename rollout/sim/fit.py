@@ -17,9 +17,12 @@ def step_rows(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def fit_step_time(runs: list[dict]) -> tuple[StepTimeModel, float]:
-    """Least squares of step duration on (1, decode seqs, KV tokens, prefill tokens); returns the model and the
-    relative error of predicted total time over the runs used."""
+def fit_step_time(runs: list[dict], per_kv_token: float | None = None) -> tuple[StepTimeModel, float]:
+    """Non-negative least squares of step duration on (1, decode seqs, KV tokens, prefill tokens, any prefill);
+    returns the model and the relative error of predicted total time over the runs used. `per_kv_token` fixes
+    that coefficient (seconds per KV token read): short contexts cannot tell it from the per-sequence cost."""
+    from scipy.optimize import nnls
+
     features, durations = [], []
     for run in runs:
         steps = np.asarray(run["steps"], dtype=float)  # t, running, scheduled tokens, KV use, preempted
@@ -29,11 +32,16 @@ def fit_step_time(runs: list[dict]) -> tuple[StepTimeModel, float]:
         running, scheduled, kv = steps[:-1, 1], steps[:-1, 2], steps[:-1, 3] * run["kv_capacity_tokens"]
         prefill = np.maximum(scheduled - running, 0)
         decode = np.minimum(running, scheduled)
-        features.append(np.column_stack([np.ones_like(dt), decode, kv, prefill]))
+        features.append(np.column_stack([np.ones_like(dt), decode, kv, prefill, prefill > 0]))
         durations.append(dt)
     x, y = np.vstack(features), np.concatenate(durations)
-    keep = y < 10 * np.median(y)  # engine restarts and host hiccups are not steps
-    coef, *_ = np.linalg.lstsq(x[keep], y[keep], rcond=None)
-    coef = np.maximum(coef, 0.0)
+    # A slow step without prefill is a host hiccup, not a step; slow steps with prefill are what prices prefill
+    # and recomputation (dropping them once made recomputation look 8x cheaper than it is).
+    keep = ~((y > 10 * np.median(y)) & (x[:, 3] == 0))
+    if per_kv_token is None:
+        coef, _ = nnls(x[keep], y[keep])
+    else:
+        rest, _ = nnls(x[keep][:, [0, 1, 3, 4]], y[keep] - per_kv_token * x[keep][:, 2])
+        coef = np.insert(rest, 2, per_kv_token)
     error = abs(float((x @ coef).sum() - y.sum())) / float(y.sum())
     return StepTimeModel(*map(float, coef)), error
