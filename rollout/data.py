@@ -140,7 +140,16 @@ def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_fie
         if prompt_id in seen:
             raise DataError(f"{where}: duplicate prompt id {prompt_id!r}")
         seen.add(prompt_id)
-        if isinstance(raw, str):
+        token_ids = None
+        if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            # Already tokenized (an RL trainer's own prompts, or a model without a tokenizer): used as is.
+            if min(raw) < 0:
+                raise DataError(f"{where}: negative token id in prompt field {prompt_field!r}")
+            text, token_ids = "", raw
+        elif tokenizer is None:
+            raise DataError(f"{where}: a text prompt needs a tokenizer and the model folder has none "
+                            f"(give token ids: a list of ints in {prompt_field!r})")
+        elif isinstance(raw, str):
             if not raw.strip():
                 raise DataError(f"{where}: empty prompt")
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
@@ -149,9 +158,11 @@ def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_fie
                                                     for m in raw):
             messages = raw
         else:
-            raise DataError(f"{where}: prompt field {prompt_field!r} must be a string or a list of "
-                            "{role, content} messages")
-        if use_template:
+            raise DataError(f"{where}: prompt field {prompt_field!r} must be a string, a list of "
+                            "{role, content} messages or a list of token ids")
+        if token_ids is not None:
+            pass
+        elif use_template:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
@@ -170,6 +181,23 @@ def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_fie
     if not prompts:
         raise DataError(f"prompt set {source}: every prompt is longer than {max_prompt_tokens} tokens")
     return prompts, skipped
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model_folder: str) -> bool:
+    folder = Path(model_folder)
+    return not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_folder: str):
+    """The model folder's tokenizer, or None where it has none (dummy-weight shapes take token-id prompts)."""
+    if not has_tokenizer(model_folder):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_folder)
 
 
 def load_prompts(data, tokenizer: Any, max_prompt_tokens: int) -> tuple[list[Prompt], list[dict]]:

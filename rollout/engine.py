@@ -18,7 +18,7 @@ import numpy as np
 
 from rollout.batch import RolloutBatch
 from rollout.config import RunConfig
-from rollout.data import Prompt
+from rollout.data import Prompt, has_tokenizer
 from rollout.models import resolve_model
 from rollout.policy.length_stats import PromptLengths, prompt_key
 
@@ -100,6 +100,8 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)
+    if not has_tokenizer(model_path):  # a config-only shape (dummy weights): prompts come as token ids
+        kwargs["skip_tokenizer_init"] = True
     kwargs.update(m.engine_kwargs)
     return kwargs
 
@@ -123,9 +125,10 @@ class RolloutEngine:
         # use offset"); there the engine seed alone makes runs reproducible.
         self.per_request_seeds = not current_platform.is_cpu()
         start = time.monotonic()
-        self.llm = LLM(**engine_kwargs(cfg, self.model_path, self.trace_path, self.stats_in, self.stats_out))
+        kwargs = engine_kwargs(cfg, self.model_path, self.trace_path, self.stats_in, self.stats_out)
+        self.llm = LLM(**kwargs)
         self.engine_start_s = time.monotonic() - start
-        self.tokenizer = None if cfg.model.engine_kwargs.get("skip_tokenizer_init") else self.llm.get_tokenizer()
+        self.tokenizer = None if kwargs.get("skip_tokenizer_init") else self.llm.get_tokenizer()
         self.header = read_trace_header(self.trace_path)
 
     def _stats_prior(self) -> Path | None:

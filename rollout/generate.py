@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rollout.config import ConfigError, RunConfig, describe_options, load_config, to_yaml
-from rollout.data import DataError, load_prompts
+from rollout.data import DataError, load_prompts, load_tokenizer
 from rollout.models import ModelError, resolve_model
 from rollout.store import SampleStore, StoreError, fingerprint
 
@@ -53,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.overrides, args.config)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path))
+        tokenizer = load_tokenizer(resolve_model(cfg.model.path))
         prompts, skipped = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
         out_dir = Path(cfg.output.dir)
         store = SampleStore(out_dir, fingerprint(output_settings(cfg), prompts), overwrite=cfg.output.overwrite,

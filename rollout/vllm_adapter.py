@@ -87,6 +87,11 @@ class _DynamicBatchMixin:
         self._pending_prompt_tokens = 0
         self._pending_max_tokens = 0
         self._scaled = False  # some request carried a predicted length scale
+        # Prefix caching shares a prompt's full blocks among the requests that carry it (GRPO's n samples):
+        # request id -> (group id, prompt tokens in full blocks), for the policy to count them once.
+        self._share_prompts = bool(getattr(self.cache_config, "enable_prefix_caching", False))
+        self._groups: dict[int, int] = {}
+        self._request_group: dict[str, tuple[int, int]] = {}
         self._finished = 0
         self._recomputed = 0
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
@@ -101,6 +106,10 @@ class _DynamicBatchMixin:
         self._scaled = self._scaled or length_scale(request) != 1.0
         self._pending_prompt_tokens += request.num_prompt_tokens
         self._pending_max_tokens += request.max_tokens
+        if self._share_prompts and request.prompt_token_ids is not None:
+            group = self._groups.setdefault(hash(tuple(request.prompt_token_ids)), len(self._groups))
+            self._request_group[request.request_id] = (
+                group, request.num_prompt_tokens // self.block_size * self.block_size)
 
     def _read_prior(self) -> np.ndarray | None:
         # The driver writes it before submitting a pass, so it is in place when the first request arrives.
@@ -115,6 +124,9 @@ class _DynamicBatchMixin:
         self._pending_prompt_tokens -= request.num_prompt_tokens
         self._pending_max_tokens -= request.max_tokens
         self._finished += 1
+        self._request_group.pop(request.request_id, None)
+        if self._pending == 0:
+            self._groups.clear()
         self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens,
                                            length_scale(request))
         return super()._free_request(request, *args, **kwargs)
@@ -220,6 +232,13 @@ class _DynamicBatchMixin:
         if self._scaled:
             state.running_scale = np.fromiter(map(length_scale, self.running), dtype=float, count=len(self.running))
             state.waiting_scale = np.fromiter(map(length_scale, waiting), dtype=float, count=len(waiting))
+        if self._request_group:
+            unshared = (-1, 0)
+            for side, requests in (("running", self.running), ("waiting", waiting)):
+                pairs = np.array([self._request_group.get(r.request_id, unshared) for r in requests],
+                                 dtype=np.int64).reshape(-1, 2)
+                setattr(state, f"{side}_group", pairs[:, 0])
+                setattr(state, f"{side}_shared", pairs[:, 1])
 
     def _preempt_request(self, request, *args, **kwargs):
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again

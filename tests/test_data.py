@@ -76,3 +76,25 @@ def test_reasoning_gym_dataset_settings_reach_the_generator():
         assert row["score"](f"#### {row['answer']}") == 1.0
     with pytest.raises(DataError, match="basic_arithmetic"):
         load_rows("reasoning_gym:basic_arithmetic", 2, seed=0, dataset_config={"colour": "red"})
+
+
+def test_token_id_prompts_need_no_tokenizer(tmp_path):
+    from rollout.data import has_tokenizer, load_tokenizer
+
+    (tmp_path / "config.json").write_text("{}")  # a config-only model shape (dummy weights)
+    assert not has_tokenizer(str(tmp_path)) and load_tokenizer(str(tmp_path)) is None
+    rows = [{"id": "a", "prompt": [5, 6, 7]}, {"id": "b", "prompt": [9]}]
+    prompts, _ = prepare_prompts(rows, None, source="ids.jsonl", prompt_field="prompt", id_field="id",
+                                 answer_field=None, system_prompt="ignored for token ids", apply_chat_template=True,
+                                 max_prompt_tokens=3)
+    assert [p.token_ids for p in prompts] == [[5, 6, 7], [9]] and prompts[0].text == ""
+    with pytest.raises(DataError, match="row 1: a text prompt needs a tokenizer"):
+        prepare_prompts([{"prompt": [1]}, {"prompt": "two"}], None, source="mixed.jsonl", prompt_field="prompt",
+                        id_field=None, answer_field=None, system_prompt=None, apply_chat_template=True,
+                        max_prompt_tokens=8)
+    with pytest.raises(DataError, match="more than the 2"):
+        prepare_prompts(rows, None, source="ids.jsonl", prompt_field="prompt", id_field="id", answer_field=None,
+                        system_prompt=None, apply_chat_template=True, max_prompt_tokens=2)
+    with pytest.raises(DataError, match="negative token id"):
+        prepare_prompts([{"prompt": [3, -1]}], None, source="neg.jsonl", prompt_field="prompt", id_field=None,
+                        answer_field=None, system_prompt=None, apply_chat_template=True, max_prompt_tokens=8)

@@ -25,6 +25,7 @@ PROMPTS = [{"id": f"p{i}", "prompt": f"Question {i}: what is {i} plus {2 * i}?",
 
 def run(tiny_model, prompt_set, out_dir, *extra):
     args = [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
+            # (a later data.source in `extra` wins)
             "data.system_prompt=null", "sampling.n=2", "sampling.max_tokens=24", "sampling.temperature=0",
             "sampling.ignore_eos=true", "model.kv_cache_memory_bytes=8388608", "model.max_model_len=512",
             "policy.b_max=8", "output.progress=false", f"output.dir={out_dir}", *extra]
@@ -47,3 +48,15 @@ def test_two_engines_give_the_outputs_of_one(tiny_model, tmp_path):
     key = lambda r: (r["prompt_id"], r["sample_index"])  # noqa: E731
     assert {key(r): r["completion_token_ids"] for r in two} == {key(r): r["completion_token_ids"] for r in one}
     assert summary["generated_tokens"] == sum(r["completion_tokens"] for r in two) == 8 * 2 * 24
+
+
+@pytest.mark.engine
+def test_two_engines_score_in_the_parent(tiny_model, tmp_path):
+    # reasoning-gym scorers are closures that cannot travel to the engine processes: the parent scores.
+    source = ("data.source=reasoning_gym:basic_arithmetic", "data.num_prompts=6", "sampling.n=1")
+    one, one_summary = run(tiny_model, "unused", tmp_path / "one", *source)
+    two, summary = run(tiny_model, "unused", tmp_path / "two", *source, "model.data_parallel_size=2")
+    assert all("reward" in r for r in one) and all("reward" in r for r in two)
+    key = lambda r: (r["prompt_id"], r["sample_index"])  # noqa: E731
+    assert {key(r): (r["completion"], r["reward"]) for r in two} == {key(r): (r["completion"], r["reward"]) for r in one}
+    assert summary["reward_mean"] == pytest.approx(one_summary["reward_mean"])

@@ -130,19 +130,50 @@ def survival_after(lengths: CensoredLengths, generated: np.ndarray, horizon_bins
     return _alive(bins, reach, stride * np.arange(horizon_bins), scale)
 
 
+def _within_group_prefix(values: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """For each row, the sum of `values` over earlier rows of its group (rows in queue order)."""
+    order = np.argsort(group, kind="stable")
+    g = group[order]
+    through = np.cumsum(values[order], axis=0)
+    first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    group_start = first[np.searchsorted(first, np.arange(len(g)), side="right") - 1]
+    before = np.empty_like(values)
+    before[order] = through - values[order] - (through[group_start] - values[order][group_start])
+    return before
+
+
+def shared_prompt_holding(alive: np.ndarray, group: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """Prompt tokens each row holds for its group at each future time, in expectation's terms: a group's shared
+    prompt blocks stay while any member runs, so row i carries them only where no earlier row of its group is
+    still running (probability prod(1 - alive_j)). A group's rows, weighted by their own survival, then sum to
+    shared * P(any member alive) (members independent). Rows in queue order: running, then waiting."""
+    if not np.any(shared > 0):
+        return np.zeros_like(alive)
+    none_before = np.exp(_within_group_prefix(np.log(np.clip(1.0 - alive, 1e-300, 1.0)), group))
+    return shared[:, None] * none_before
+
+
 def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np.ndarray,
                                waiting_tokens: np.ndarray, waiting_generated: np.ndarray,
                                lengths: CensoredLengths, capacity_tokens: float, block_size: int,
                                theta: float, running_scale: np.ndarray | None = None,
-                               waiting_scale: np.ndarray | None = None) -> int:
+                               waiting_scale: np.ndarray | None = None, running_group: np.ndarray | None = None,
+                               waiting_group: np.ndarray | None = None, running_shared: np.ndarray | None = None,
+                               waiting_shared: np.ndarray | None = None) -> int:
     """How many waiting requests (a prefix, in queue order) fit: at every future time (in bins of output
     tokens), the expected KV demand of running and admitted requests plus theta standard deviations stays
     within the cache. A request holding c tokens demands c + t (plus a partly used block) at t steps ahead if it
-    is still running then, with the probability `survival_after` gives."""
+    is still running then, with the probability `survival_after` gives. With groups and shared prompt tokens
+    (prefix caching), a group's shared prompt blocks count once, while any member runs."""
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
-    held_now = float(np.sum(running_tokens)) + np.cumsum(np.asarray(waiting_tokens, dtype=float) + block_size - 1)
+    sharing = running_shared is not None and waiting_shared is not None
+    own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
+    held_now = float(np.sum(running_tokens) - (np.sum(running_shared) if sharing else 0)) + np.cumsum(
+        own_waiting + block_size - 1)
     fit_now = int(np.searchsorted(held_now, capacity_tokens, side="right"))
     waiting_tokens, waiting_generated = waiting_tokens[:fit_now + 1], waiting_generated[:fit_now + 1]
+    if sharing:
+        waiting_group, waiting_shared = waiting_group[:fit_now + 1], waiting_shared[:fit_now + 1]
     generated = np.concatenate([running_generated, waiting_generated]).astype(float)
     scale = None
     if running_scale is not None or waiting_scale is not None:
@@ -159,8 +190,17 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     tokens = np.concatenate([running_tokens, waiting_tokens]).astype(float)
     alive = _alive(bins, reach, ahead_bins, scale)
     held = tokens[:, None] + steps[None, :] + (block_size - 1)
+    if sharing:
+        shared = np.concatenate([running_shared, waiting_shared]).astype(float)
+        group = np.concatenate([running_group, waiting_group])
+        held += shared_prompt_holding(alive, group, shared) - shared[:, None]
     mean = held * alive
     var = held ** 2 * alive * (1.0 - alive)
+    if sharing:
+        # A group's samples run about as long as each other (one prompt's difficulty): their demands move
+        # together, so a group's standard deviations add up (variance increments 2 * earlier sd * sd + sd^2).
+        sd = np.sqrt(var)
+        var = var + 2.0 * _within_group_prefix(sd, group) * sd
     n = len(running_tokens)
     base_mean, base_var = mean[:n].sum(axis=0), var[:n].sum(axis=0)
     if base_mean.max(initial=0.0) + theta * np.sqrt(base_var.max(initial=0.0)) > capacity_tokens:
@@ -195,6 +235,7 @@ class ForecastPolicy(MemoryPolicy):
                 self.lengths.observe((k + 0.5) * HISTOGRAM_BIN_TOKENS, weight)
         self.carry_over = carry_over  # weight of earlier passes' lengths when a new pass starts
         self.admitted_last = 0
+        self.shared_prompt_tokens = 0
         self._forecast_at: tuple[int, int] | None = None  # (finished count, running count) of the last forecast
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
@@ -230,9 +271,13 @@ class ForecastPolicy(MemoryPolicy):
         admit = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
                                            state.waiting_generated, self.lengths,
                                            state.kv_capacity_blocks * state.block_size, state.block_size,
-                                           self.theta, state.running_scale, state.waiting_scale)
+                                           self.theta, state.running_scale, state.waiting_scale,
+                                           state.running_group, state.waiting_group, state.running_shared,
+                                           state.waiting_shared)
         self.admitted_last = admit
         self._forecast_at = (self.lengths.count, state.num_running)
+        self.shared_prompt_tokens = 0 if state.running_shared is None else int(
+            state.running_shared.sum() - np.unique(np.c_[state.running_group, state.running_shared], axis=0)[:, 1].sum())
         self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running,
                              self.min_cap, self.max_cap)
         return self.cap
@@ -240,4 +285,5 @@ class ForecastPolicy(MemoryPolicy):
     def trace_fields(self) -> dict:
         fields = super().trace_fields()
         fields["forecast_admitted"] = self.admitted_last
+        fields["shared_prompt_tokens"] = self.shared_prompt_tokens  # running prompt tokens counted once, not per sample
         return fields

@@ -11,9 +11,11 @@ from rollout.policy.memory import clamp_cap
 from rollout.policy.policies import StaticPolicy, StepState
 
 
-def peak_kv_tokens(current: np.ndarray, remaining: np.ndarray, block_size: int = 1) -> float:
+def peak_kv_tokens(current: np.ndarray, remaining: np.ndarray, block_size: int = 1, fixed: np.ndarray | None = None,
+                   fixed_until: np.ndarray | None = None) -> float:
     """Largest future KV demand (tokens) of requests holding `current` tokens that each grow by one token per
-    step for `remaining` more steps and then free everything; each active request may waste up to one block."""
+    step for `remaining` more steps and then free everything; each active request may waste up to one block.
+    `fixed` tokens (shared prompt blocks) are held, without growing, until `fixed_until` steps."""
     if len(current) == 0:
         return 0.0
     order = np.argsort(remaining, kind="stable")
@@ -23,16 +25,40 @@ def peak_kv_tokens(current: np.ndarray, remaining: np.ndarray, block_size: int =
     # k..n-1 are still active, each holding cur + t tokens rounded up to a block.
     active_tokens = np.cumsum(cur[::-1])[::-1]
     active = len(rem) - np.arange(len(rem))
-    return float(np.max(active_tokens + active * (rem + block_size - 1)))
+    demand = active_tokens + active * (rem + block_size - 1)
+    if fixed is not None and len(fixed):
+        by_end = np.argsort(fixed_until)
+        held_from = np.concatenate([np.cumsum(np.asarray(fixed, dtype=float)[by_end][::-1])[::-1], [0.0]])
+        demand = demand + held_from[np.searchsorted(np.asarray(fixed_until)[by_end], rem, side="left")]
+    return float(np.max(demand))
+
+
+def _with_shared_prompts(tokens, remaining, group, shared):
+    """Each request's own tokens, and per group its shared prompt tokens held until its last member ends."""
+    ids, inverse = np.unique(group, return_inverse=True)
+    until = np.zeros(len(ids))
+    np.maximum.at(until, inverse, remaining)
+    fixed = np.zeros(len(ids))
+    np.maximum.at(fixed, inverse, shared)
+    return tokens - shared, fixed, until
 
 
 def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray, waiting_tokens: np.ndarray,
-                      waiting_remaining: np.ndarray, capacity_tokens: float, block_size: int) -> int:
-    """How many of the waiting requests (a prefix, in queue order) fit without the peak exceeding capacity."""
+                      waiting_remaining: np.ndarray, capacity_tokens: float, block_size: int,
+                      running_group=None, waiting_group=None, running_shared=None, waiting_shared=None) -> int:
+    """How many of the waiting requests (a prefix, in queue order) fit without the peak exceeding capacity.
+    With groups and shared prompt tokens (prefix caching), a group's shared prompt blocks count once."""
+    sharing = running_shared is not None and waiting_shared is not None
+
     def fits(m: int) -> bool:
-        return peak_kv_tokens(np.concatenate([running_tokens, waiting_tokens[:m]]),
-                              np.concatenate([running_remaining, waiting_remaining[:m]]),
-                              block_size) <= capacity_tokens
+        tokens = np.concatenate([running_tokens, waiting_tokens[:m]]).astype(float)
+        remaining = np.concatenate([running_remaining, waiting_remaining[:m]])
+        fixed = until = None
+        if sharing:
+            tokens, fixed, until = _with_shared_prompts(
+                tokens, remaining, np.concatenate([running_group, waiting_group[:m]]),
+                np.concatenate([running_shared, waiting_shared[:m]]).astype(float))
+        return peak_kv_tokens(tokens, remaining, block_size, fixed, until) <= capacity_tokens
 
     lo, hi = 0, len(waiting_tokens)  # the peak grows with m: binary search for the largest m that fits
     while lo < hi:
@@ -55,7 +81,8 @@ class OraclePolicy(StaticPolicy):
             return clamp_cap(self.cap, state.num_running, 1, self.max_cap)
         admit = oracle_admissions(state.running_tokens, state.running_remaining, state.waiting_tokens,
                                   state.waiting_remaining, state.kv_capacity_blocks * state.block_size,
-                                  state.block_size)
+                                  state.block_size, state.running_group, state.waiting_group,
+                                  state.running_shared, state.waiting_shared)
         # Admit at least one request into an empty engine, or nothing would ever run.
         self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running, 1,
                              self.max_cap)

@@ -41,6 +41,12 @@ class StepState:
     # driver's per-prompt memory of earlier iterations.
     running_scale: Any = None
     waiting_scale: Any = None
+    # Prefix caching: requests of one group (the n samples of a prompt) share its full prompt blocks. Each
+    # request's group id and the prompt tokens in those blocks (None: nothing shared).
+    running_group: Any = None
+    waiting_group: Any = None
+    running_shared: Any = None
+    waiting_shared: Any = None
 
 
 class StaticPolicy:

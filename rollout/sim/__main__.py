@@ -13,13 +13,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from rollout.bench import load_bench_config, scheduler_policy
-from rollout.policy import make_policy
-from rollout.sim.engine import simulate
+from rollout.bench import load_bench_config
 from rollout.sim.fit import fit_step_time, step_rows
-from rollout.workloads import profile_requests
-
-VLLM_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's offline default on H100/H200-class GPUs
+from rollout.sim.runs import simulate_profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", required=True, help="a benchmark output folder")
+    parser.add_argument("--fit", help="fit the step-time model to these recorded steps instead (a steps-*.jsonl.gz "
+                                      "file): a held-out check of a profile the model was not fitted to")
+    parser.add_argument("--per-kv-token-ns", type=float, help="fix the KV-read cost instead of fitting it")
     parser.add_argument("--token-budget", type=int, default=16384,
                         help="vLLM's max_num_batched_tokens (its offline default on H100/H200-class GPUs)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -35,14 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     bench = load_bench_config(args.config, args.overrides)
     folder = Path(args.steps)
     measured = json.loads((folder / "results.json").read_text())["results"]
+    per_kv = None if args.per_kv_token_ns is None else args.per_kv_token_ns * 1e-9
     for profile in bench.profiles:
         runs = step_rows(folder / f"steps-{profile.name}.jsonl.gz")
-        model, fit_error = fit_step_time(runs)
+        model, fit_error = fit_step_time(step_rows(args.fit) if args.fit else runs, per_kv)
         capacity_tokens = max(run["kv_capacity_tokens"] or 0 for run in runs)  # "vllm" runs record none
         print(f"### {profile.name}: step time = {model.base * 1e3:.2f} ms + {model.per_seq * 1e6:.2f} us/seq + "
               f"{model.per_kv_token * 1e9:.3f} ns/KV token + {model.per_prefill_token * 1e6:.2f} us/prefill token "
               f"+ {model.per_mixed_step * 1e3:.2f} ms per step with prefill "
-              f"(total-time error of the fit {fit_error:.1%})\n")
+              f"(fitted to {args.fit or 'these runs'}; total-time error of the fit {fit_error:.1%})\n")
         print("| scheduler | measured tok/s | simulated tok/s | error | measured preemptions | simulated |")
         print("|---|---|---|---|---|---|")
         real_rank, sim_rank = {}, {}
@@ -50,26 +50,12 @@ def main(argv: list[str] | None = None) -> int:
             real = [r for r in measured if r["profile"] == profile.name and r["scheduler"] == name]
             if not real:
                 continue
-            # vLLM untouched behaves as a fixed cap at its default max_num_seqs.
-            settings = scheduler_policy(bench, f"static-{VLLM_DEFAULT_MAX_NUM_SEQS}" if name == "vllm" else name)
-            b_max = settings["b_max"]
-            policy = make_policy(settings)
-            clock = generated = preemptions = 0
-            for iteration in range(profile.iterations):
-                requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
-                if name == "oracle":
-                    requests = sorted(requests, key=lambda r: -r.output_tokens)
-                result = simulate([(len(r.prompt.token_ids), r.output_tokens) for r in requests], policy,
-                                  kv_capacity_blocks=capacity_tokens // args.block_size, block_size=args.block_size,
-                                  max_num_seqs=b_max, token_budget=args.token_budget, step_time=model)
-                clock += result.makespan_s
-                generated += result.generated_tokens
-                preemptions += result.preemptions
+            run = simulate_profile(bench, profile, name, model, kv_capacity_tokens=capacity_tokens,
+                                   block_size=args.block_size, token_budget=args.token_budget)
             real_tps = statistics.median(r["tokens_per_s"] for r in real)
-            sim_tps = generated / clock
-            real_rank[name], sim_rank[name] = real_tps, sim_tps
-            print(f"| {name} | {real_tps:.0f} | {sim_tps:.0f} | {sim_tps / real_tps - 1:+.1%} | "
-                  f"{statistics.median(r['preemptions'] for r in real):.0f} | {preemptions} |")
+            real_rank[name], sim_rank[name] = real_tps, run.tokens_per_s
+            print(f"| {name} | {real_tps:.0f} | {run.tokens_per_s:.0f} | {run.tokens_per_s / real_tps - 1:+.1%} | "
+                  f"{statistics.median(r['preemptions'] for r in real):.0f} | {run.preemptions} |")
         order = lambda d: sorted(d, key=d.get, reverse=True)  # noqa: E731
         print(f"\nranking measured: {order(real_rank)}\nranking simulated: {order(sim_rank)}\n")
     return 0

@@ -3,8 +3,10 @@
 Per step, as vLLM's `Scheduler.schedule()` does: running requests first (decode one token, or the next chunk of
 a prefill), allocating KV blocks and preempting the newest running request (recompute) when blocks run out;
 then, only if nothing was preempted, waiting requests in FCFS order while the cap, the token budget and the
-blocks for the whole prompt allow. Step time comes from a fitted model (`StepTimeModel`).
-Not modelled yet: prefix caching across a group's samples, async scheduling's one-step overlap.
+blocks for the whole prompt allow. With `share_prompts` (vLLM's prefix caching, on by default), the requests of
+a group (the n samples of a prompt) share its full prompt blocks: held once while any member runs, and a
+member admitted while they are held computes only the rest. Step time comes from a fitted model
+(`StepTimeModel`). Not modelled: async scheduling's one-step overlap, cached blocks that outlive their holders.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     length_scale: float = 1.0  # predicted length relative to the average (the driver's per-prompt memory)
+    group: int | None = None  # requests of one group share the prompt (prefix caching)
     generated: int = 0
     computed: int = 0  # tokens whose KV is in the cache
-    blocks: int = 0
+    blocks: int = 0  # blocks of its own (not the group's shared prompt blocks)
+    shared_blocks: int = 0  # the group's prompt blocks it uses while running
 
     @property
     def target(self) -> int:  # tokens held: the prompt and every token generated so far
@@ -68,13 +72,27 @@ class SimResult:
 
 def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
              token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
-             prior_lengths=None) -> SimResult:
-    """Run `requests` ((prompt tokens, output tokens[, predicted length scale]), in arrival order) to
+             prior_lengths=None, share_prompts: bool = True) -> SimResult:
+    """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group]]), in arrival order) to
     completion under `policy`."""
     waiting = deque(SimRequest(*r) for r in requests)
     policy.start_pass(prior_lengths)
     running: list[SimRequest] = []
     free = kv_capacity_blocks
+    holders: dict[int, int] = {}  # group -> running members holding its shared prompt blocks
+
+    def prompt_blocks(r: SimRequest) -> int:  # full prompt blocks a group member can share
+        return r.prompt_tokens // block_size if share_prompts and r.group is not None else 0
+
+    def release(r: SimRequest) -> int:  # blocks freed when r stops running
+        freed, r.blocks = r.blocks, 0
+        if r.shared_blocks:
+            holders[r.group] -= 1
+            if holders[r.group] == 0:
+                freed += r.shared_blocks
+            r.shared_blocks = 0
+        return freed
+
     clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
     pending_prompt = sum(r[0] for r in requests)
     pending_max = sum(r[1] for r in requests)
@@ -92,6 +110,11 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
             state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
             state.waiting_generated = np.array([r.generated for r in head], dtype=np.int64)
+            if share_prompts:
+                state.running_group = np.array([-1 if r.group is None else r.group for r in running], dtype=np.int64)
+                state.waiting_group = np.array([-1 if r.group is None else r.group for r in head], dtype=np.int64)
+                state.running_shared = np.array([prompt_blocks(r) * block_size for r in running], dtype=np.int64)
+                state.waiting_shared = np.array([prompt_blocks(r) * block_size for r in head], dtype=np.int64)
             if any(r.length_scale != 1.0 for r in (*running, *head)):
                 state.running_scale = np.array([r.length_scale for r in running])
                 state.waiting_scale = np.array([r.length_scale for r in head])
@@ -101,12 +124,12 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         while i < len(running) and budget > 0:
             r = running[i]
             n = min(r.target - r.computed, budget) if r.computed < r.target else 1
-            need = math.ceil((r.computed + n) / block_size) - r.blocks
+            need = math.ceil((r.computed + n) / block_size) - r.shared_blocks - r.blocks
             while need > free and running:
                 victim = running.pop()  # vLLM FCFS: the last admitted goes first
-                free += victim.blocks
+                free += release(victim)
                 recomputed += victim.computed
-                victim.blocks = victim.computed = 0
+                victim.computed = 0
                 waiting.appendleft(victim)
                 preemptions += 1
                 preempted = True
@@ -121,12 +144,20 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             i += 1
         while not preempted and waiting and len(running) < cap and budget > 0:
             r = waiting[0]
-            if math.ceil(r.target / block_size) > free:  # the whole prompt must fit before admission
+            shared = prompt_blocks(r)
+            cached = shared if shared and holders.get(r.group, 0) else 0  # prefix-cache hit on the group's prompt
+            if math.ceil(r.target / block_size) - cached > free:  # the whole prompt must fit before admission
                 break
-            n = min(r.target, budget)
+            r.computed = min(cached * block_size, r.target - 1)  # vLLM recomputes at least the last token
+            n = min(r.target - r.computed, budget)
             waiting.popleft()
             running.append(r)
-            r.blocks = math.ceil(n / block_size)
+            if shared:
+                if not cached:
+                    free -= shared  # the first member allocates the group's prompt blocks
+                holders[r.group] = holders.get(r.group, 0) + 1
+                r.shared_blocks = shared
+            r.blocks = max(math.ceil((r.computed + n) / block_size) - shared, 0)
             free -= r.blocks
             scheduled.append((r, n))
             budget -= n
@@ -146,7 +177,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             generated += 1
             if r.generated >= r.output_tokens:
                 running.remove(r)
-                free += r.blocks
+                free += release(r)
                 pending_prompt -= r.prompt_tokens
                 pending_max -= r.output_tokens
                 policy.observe_finished(r.prompt_tokens, r.output_tokens, r.length_scale)

@@ -1,0 +1,73 @@
+"""One scheduler over a benchmark profile's iterations in the simulator, as `rollout.bench` runs it on a GPU:
+the same policy object across iterations, the oracle sorted by true length, and for `order=longest_first`
+the per-prompt length memory that `RolloutEngine` keeps (submission order, length scales, the pass prior)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout.bench import BenchConfig, scheduler_policy
+from rollout.policy import make_policy
+from rollout.policy.length_stats import PromptLengths, prompt_key
+from rollout.sim.engine import StepTimeModel, simulate
+from rollout.workloads import ProfileConfig, profile_requests
+
+VLLM_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's offline default on H100/H200-class GPUs (untouched vLLM)
+
+
+@dataclass
+class ProfileRun:
+    makespan_s: float = 0.0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    per_iteration_tokens_per_s: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.makespan_s if self.makespan_s else 0.0
+
+
+def scheduler_settings(bench: BenchConfig, name: str) -> dict:
+    """A bench scheduler name, optionally with policy settings: `forecast:forecast_after=8:eps_m=0.1`."""
+    base, *options = name.split(":")
+    settings = scheduler_policy(bench, f"static-{VLLM_DEFAULT_MAX_NUM_SEQS}" if base == "vllm" else base)
+    settings.update(option.split("=", 1) for option in options)
+    return settings
+
+
+def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,
+                     kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384) -> ProfileRun:
+    settings = scheduler_settings(bench, name)
+    policy = make_policy(settings)
+    memory = PromptLengths()
+    run = ProfileRun()
+    for iteration in range(profile.iterations):
+        requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
+        keys = [prompt_key(r.prompt.token_ids) for r in requests]
+        scales, prior = np.ones(len(requests)), None
+        if name.split(":")[0] == "oracle":
+            requests = sorted(requests, key=lambda r: -r.output_tokens)
+        elif settings.get("order") == "longest_first":
+            scales = memory.scales(keys)
+            prior = memory.prior(keys, scales) if memory.last else None
+            order = sorted(range(len(requests)), key=lambda i: -scales[i])
+            requests, keys, scales = [requests[i] for i in order], [keys[i] for i in order], scales[order]
+        result = simulate([(len(r.prompt.token_ids), r.output_tokens, s, r.group) for r, s in zip(requests, scales)],
+                          policy,
+                          kv_capacity_blocks=kv_capacity_tokens // block_size, block_size=block_size,
+                          max_num_seqs=int(settings["b_max"]), token_budget=token_budget, step_time=step_time,
+                          prior_lengths=prior)
+        by_prompt: dict[str, list[int]] = {}
+        for key, r in zip(keys, requests):
+            by_prompt.setdefault(key, []).append(r.output_tokens)
+        for key, lengths in by_prompt.items():
+            memory.update(key, lengths)
+        run.makespan_s += result.makespan_s
+        run.generated_tokens += result.generated_tokens
+        run.preemptions += result.preemptions
+        run.recomputed_tokens += result.recomputed_tokens
+        run.per_iteration_tokens_per_s.append(result.tokens_per_s)
+    return run
