@@ -88,14 +88,15 @@ def benchmark_model(model: str, work: Path, vocab_size: int) -> str:
 
 
 def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
-    """The policy settings a scheduler name stands for ("static-N": a fixed cap N that is also max_num_seqs)."""
+    """The policy settings a scheduler name stands for ("static-N": a fixed cap N that is also max_num_seqs).
+    Submission is in the workload's order except for forecast-lpt."""
     if scheduler.startswith("static-"):
-        return {"name": "static", "b_max": int(scheduler[7:])}
+        return {"name": "static", "b_max": int(scheduler[7:]), "order": "fifo"}
     if scheduler == "oracle-fcfs":  # the oracle's admission in submission order: its gain without the order
-        return {"name": "oracle", "b_max": bench.b_max, "eps_m": bench.eps_m}
+        return {"name": "oracle", "b_max": bench.b_max, "eps_m": bench.eps_m, "order": "fifo"}
     if scheduler == "forecast-lpt":  # forecast, prompts longest-predicted first from earlier iterations
         return {"name": "forecast", "order": "longest_first", "b_max": bench.b_max, "eps_m": bench.eps_m}
-    return {"name": scheduler, "b_max": bench.b_max, "eps_m": bench.eps_m}
+    return {"name": scheduler, "b_max": bench.b_max, "eps_m": bench.eps_m, "order": "fifo"}
 
 
 def run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: str) -> RunConfig:

@@ -73,7 +73,7 @@ class SamplingConfig:
 
 @dataclass
 class PolicyConfig:
-    name: str = "memory"  # static | memory | memory-clt | sla | forecast (oracle: benchmarks only)
+    name: str = "forecast"  # forecast | memory | memory-clt | sla | static (oracle: benchmarks only)
     b_max: int = 256  # B_max, also vLLM's max_num_seqs (buffers are sized from it)
     b_min: int = 1
     static_cap: Optional[int] = None  # static policy's cap; None: b_max
@@ -103,7 +103,7 @@ class PolicyConfig:
     # first (the driver's per-prompt memory, saved beside the length statistics as prompt_lengths.json;
     # unseen prompts rank at the mean), and each request carries its predicted relative length to the
     # scheduler (the forecast policy scales its length estimate by it).
-    order: str = "fifo"  # fifo | longest_first
+    order: str = "longest_first"  # longest_first | fifo
 
 
 @dataclass

@@ -29,7 +29,7 @@ def generate(tiny_model, prompt_set, out_dir, *extra):
     args = [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
             "data.system_prompt=null", f"sampling.n={N}", "sampling.max_tokens=200", "sampling.logprobs=0",
             "model.kv_cache_memory_bytes=8388608", "model.max_model_len=1024", "data.long_prompts=skip",
-            "policy.b_max=16", "policy.min_observations=4",
+            "policy.name=memory", "policy.b_max=16", "policy.min_observations=4",  # Algorithm 1: its buffer is checked
             "output.progress=false", f"output.dir={out_dir}", *extra]
     result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

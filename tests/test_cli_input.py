@@ -22,7 +22,8 @@ def error_line(result):
 def test_help_lists_the_options():
     result = run_cli("--help")
     assert result.returncode == 0
-    for key in ("policy.eps_m=0.05", "sampling.n=4", "policy.name=memory", "model.path=smollm2-135m-instruct"):
+    for key in ("policy.eps_m=0.05", "sampling.n=4", "policy.name=forecast", "policy.order=longest_first",
+                "model.path=smollm2-135m-instruct"):
         assert key in result.stdout
 
 

@@ -276,8 +276,9 @@ class ForecastPolicy(MemoryPolicy):
                                            state.waiting_shared)
         self.admitted_last = admit
         self._forecast_at = (self.lengths.count, state.num_running)
-        self.shared_prompt_tokens = 0 if state.running_shared is None else int(
-            state.running_shared.sum() - np.unique(np.c_[state.running_group, state.running_shared], axis=0)[:, 1].sum())
+        if state.running_shared is not None:  # prompt tokens running samples would hold again without sharing
+            once = np.unique(np.c_[state.running_group, state.running_shared], axis=0)[:, 1].sum()
+            self.shared_prompt_tokens = int(state.running_shared.sum() - once)
         self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running,
                              self.min_cap, self.max_cap)
         return self.cap
