@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe["lr"])
         model, optimizer = accelerator.prepare(model, optimizer)
         pad_id = engine.tokenizer.pad_token_id or 0
-        print("iter  reward  accuracy  len_mean  len_p90  tok/s  cap_mean  L0_last  groups_trained  "
+        print("iter  reward  accuracy  len_mean  len_p90  tok/s  cap_mean  L0_mean  groups_trained  "
               "loss     train_s  push_s")
         for iteration in range(recipe["iterations"]):
             batch = engine.rollout(prompts)
@@ -108,7 +108,8 @@ def main(argv: list[str]) -> None:
             engine.update_weights(accelerator.unwrap_model(model).state_dict())
             pushed = time.monotonic() - started
             groups = len(np.unique(batch.group_index[advantages != 0]))
-            buffer = (s.get("safety_buffer_tokens") or {}).get("last")
+            buffer = (s.get("safety_buffer_tokens") or {}).get("mean")
+            buffer = "-" if buffer is None else f"{buffer:.0f}"  # tokens kept free against length uncertainty
             print(f"{iteration:>4}  {s['reward_mean']:>6.3f}  {s['accuracy']:>8.3f}  "
                   f"{s['completion_tokens']['mean']:>8.1f}  {s['completion_tokens']['p90']:>7.0f}  "
                   f"{s['generated_tokens_per_s']:>5.0f}  {s['cap']['mean']:>8.1f}  "

@@ -313,7 +313,8 @@ class RolloutEngine:
                 "cap": {"min": int(caps.min()), "mean": float(caps.mean()), "max": int(caps.max())},
                 "running": {"mean": float(running.mean()), "max": int(running.max())},
                 "kv_usage_mean": float(np.mean([s["kv_usage"] for s in steps])),
-                "safety_buffer_tokens": {"first": buffers[0], "last": buffers[-1]} if buffers else None,
+                "safety_buffer_tokens": {"first": buffers[0], "last": buffers[-1], "mean": float(np.mean(buffers))}
+                if buffers else None,
                 "first_step_stats_count": steps[0].get("stats_count"),
                 "series": downsample(steps, SERIES_POINTS),
             })

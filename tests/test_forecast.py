@@ -217,3 +217,23 @@ def test_prompt_memory_orders_and_scales_the_next_pass(tiny_model, tmp_path):
     prior = json.loads((tmp_path / "pass_prior.json").read_text())["lengths"]  # what the second pass was told
     scales = np.array(lengths) / np.mean(lengths)
     np.testing.assert_allclose(sorted(prior), sorted(np.repeat(np.array(lengths) / scales, 2)), rtol=1e-3)
+
+
+def test_the_forecast_reports_its_margin_as_the_safety_buffer():
+    policy = ForecastPolicy(0.05, 64, forecast_after=8)
+    rng = np.random.default_rng(3)
+    for n in rng.lognormal(np.log(100), 0.5, 200):
+        policy.observe_finished(16, int(n))
+    state = StepState(num_running=4, num_waiting=20, kv_capacity_blocks=60, block_size=16,
+                      running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
+                      waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64))
+    policy.batch_cap(state)
+    admit, margin = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
+                                               state.waiting_generated, policy.lengths, 60 * 16, 16, policy.theta,
+                                               with_margin=True)
+    assert 0 < admit < 20 and admit == policy.admitted_last
+    assert margin > 0 and policy.trace_fields()["safety_buffer_blocks"] == pytest.approx(margin / 16)
+    # a larger overflow allowance keeps less free
+    loose = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
+                                       state.waiting_generated, policy.lengths, 60 * 16, 16, 0.5, with_margin=True)
+    assert loose[0] >= admit and loose[1] < margin

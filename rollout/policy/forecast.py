@@ -159,12 +159,14 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
                                theta: float, running_scale: np.ndarray | None = None,
                                waiting_scale: np.ndarray | None = None, running_group: np.ndarray | None = None,
                                waiting_group: np.ndarray | None = None, running_shared: np.ndarray | None = None,
-                               waiting_shared: np.ndarray | None = None) -> int:
+                               waiting_shared: np.ndarray | None = None, with_margin: bool = False):
     """How many waiting requests (a prefix, in queue order) fit: at every future time (in bins of output
     tokens), the expected KV demand of running and admitted requests plus theta standard deviations stays
     within the cache. A request holding c tokens demands c + t (plus a partly used block) at t steps ahead if it
     is still running then, with the probability `survival_after` gives. With groups and shared prompt tokens
-    (prefix caching), a group's shared prompt blocks count once, while any member runs."""
+    (prefix caching), a group's shared prompt blocks count once, while any member runs. `with_margin`: also
+    return the tokens kept free against uncertainty (theta standard deviations) where the admitted demand comes
+    closest to the cache: the forecast's counterpart of Algorithm 1's safety buffer."""
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
     sharing = running_shared is not None and waiting_shared is not None
     own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
@@ -203,12 +205,22 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         var = var + 2.0 * _within_group_prefix(sd, group) * sd
     n = len(running_tokens)
     base_mean, base_var = mean[:n].sum(axis=0), var[:n].sum(axis=0)
+
+    def result(admit: int, demand_mean: np.ndarray, demand_var: np.ndarray):
+        if not with_margin:
+            return admit
+        closest = int(np.argmax(demand_mean + theta * np.sqrt(demand_var))) if len(demand_mean) else 0
+        return admit, float(theta * np.sqrt(demand_var[closest])) if len(demand_var) else 0.0
+
     if base_mean.max(initial=0.0) + theta * np.sqrt(base_var.max(initial=0.0)) > capacity_tokens:
-        return 0
+        return result(0, base_mean, base_var)
     total_mean = base_mean[None, :] + np.cumsum(mean[n:], axis=0)
     total_var = base_var[None, :] + np.cumsum(var[n:], axis=0)
     fits = np.all(total_mean + theta * np.sqrt(total_var) <= capacity_tokens, axis=1)
-    return int(np.argmin(fits)) if not fits.all() else len(fits)  # demand grows with m: the first misfit ends it
+    admit = int(np.argmin(fits)) if not fits.all() else len(fits)  # demand grows with m: the first misfit ends it
+    if admit == 0:
+        return result(0, base_mean, base_var)
+    return result(admit, total_mean[admit - 1], total_var[admit - 1])
 
 
 class ForecastPolicy(MemoryPolicy):
@@ -236,6 +248,7 @@ class ForecastPolicy(MemoryPolicy):
         self.carry_over = carry_over  # weight of earlier passes' lengths when a new pass starts
         self.admitted_last = 0
         self.shared_prompt_tokens = 0
+        self.margin_blocks: float | None = None  # kept free against uncertainty at the forecast's closest point
         self._forecast_at: tuple[int, int] | None = None  # (finished count, running count) of the last forecast
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
@@ -264,16 +277,17 @@ class ForecastPolicy(MemoryPolicy):
 
     def batch_cap(self, state: StepState) -> int:
         if not self._forecasting(state):
+            self.margin_blocks = None
             return super().batch_cap(state)
         if state.running_generated is None:  # skipped: see wants_requests
             self.cap = clamp_cap(state.num_running, state.num_running, self.min_cap, self.max_cap)
             return self.cap
-        admit = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
-                                           state.waiting_generated, self.lengths,
-                                           state.kv_capacity_blocks * state.block_size, state.block_size,
-                                           self.theta, state.running_scale, state.waiting_scale,
-                                           state.running_group, state.waiting_group, state.running_shared,
-                                           state.waiting_shared)
+        admit, margin_tokens = expected_demand_admissions(
+            state.running_tokens, state.running_generated, state.waiting_tokens, state.waiting_generated,
+            self.lengths, state.kv_capacity_blocks * state.block_size, state.block_size, self.theta,
+            state.running_scale, state.waiting_scale, state.running_group, state.waiting_group,
+            state.running_shared, state.waiting_shared, with_margin=True)
+        self.margin_blocks = margin_tokens / state.block_size
         self.admitted_last = admit
         self._forecast_at = (self.lengths.count, state.num_running)
         if state.running_shared is not None:  # prompt tokens running samples would hold again without sharing
@@ -286,5 +300,7 @@ class ForecastPolicy(MemoryPolicy):
     def trace_fields(self) -> dict:
         fields = super().trace_fields()
         fields["forecast_admitted"] = self.admitted_last
+        if self.margin_blocks is not None:  # while forecasting, the trace's safety buffer is the forecast's margin
+            fields["safety_buffer_blocks"] = self.margin_blocks
         fields["shared_prompt_tokens"] = self.shared_prompt_tokens  # running prompt tokens counted once, not per sample
         return fields
