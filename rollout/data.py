@@ -160,14 +160,13 @@ def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_fie
         else:
             raise DataError(f"{where}: prompt field {prompt_field!r} must be a string, a list of "
                             "{role, content} messages or a list of token ids")
-        if token_ids is not None:
-            pass
-        elif use_template:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            text = "\n\n".join(m["content"] for m in messages)
-            token_ids = tokenizer(text)["input_ids"]
+        if token_ids is None:
+            if use_template:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                text = "\n\n".join(m["content"] for m in messages)
+                token_ids = tokenizer(text)["input_ids"]
         if len(token_ids) > max_prompt_tokens:
             if long_prompts == "skip":
                 skipped.append({"prompt_id": prompt_id, "row": index, "prompt_tokens": len(token_ids)})

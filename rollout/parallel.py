@@ -39,16 +39,13 @@ def predicted_work(prompts, n: int, max_tokens: int) -> np.ndarray:
     return n * (np.array([len(p.token_ids) for p in prompts]) + max_tokens / 2.0)
 
 
-def _worker(rank: int, cfg: RunConfig, share: list, indices: list[int], done: dict, workdir: str,
+def _worker(rank: int, cfg: RunConfig, share: list, indices: list[int], mine: dict, workdir: str,
             messages) -> None:
     # Before torch or vLLM is imported in this fresh process: engine k sees only its own GPU (harmless on CPU).
     devices = cfg.model.device_ids or list(range(cfg.model.data_parallel_size))
     os.environ["CUDA_VISIBLE_DEVICES"] = str(devices[rank])
     try:
         from rollout.engine import RolloutEngine
-
-        share_ids = {p.prompt_id for p in share}
-        mine = {key: record for key, record in done.items() if key[0] in share_ids}
 
         def send(records):  # copies: the engine keeps its own (share-relative) records
             messages.put(("records", rank, [{**r, "group_index": indices[r["group_index"]]} for r in records]))
@@ -72,11 +69,13 @@ def generate_parallel(cfg: RunConfig, prompts, out_dir: Path, done: dict, sink, 
     shares = split_by_work(predicted_work(prompts, cfg.sampling.n, cfg.sampling.max_tokens), engines)
     context = mp.get_context("spawn")  # vLLM and torch state must not be forked
     messages = context.Queue()
-    # Scorers are closures that do not pickle: workers get the prompts without them.
-    workers = [context.Process(target=_worker, args=(rank, cfg, [replace(prompts[i], score=None) for i in share],
-                                                     share, done, str(out_dir / f"engine-{rank}"), messages),
-                               daemon=False)
-               for rank, share in enumerate(shares)]
+    workers = []
+    for rank, share in enumerate(shares):
+        share_ids = {prompts[i].prompt_id for i in share}
+        mine = {key: record for key, record in done.items() if key[0] in share_ids}  # its resumed samples only
+        unscored = [replace(prompts[i], score=None) for i in share]  # scorers are closures: they do not pickle
+        workers.append(context.Process(target=_worker, daemon=False, args=(
+            rank, cfg, unscored, share, mine, str(out_dir / f"engine-{rank}"), messages)))
     rewards = [r["reward"] for r in done.values() if "reward" in r]
 
     def score(records):

@@ -19,9 +19,7 @@ from rollout.sim.runs import simulate_profile
 STEPS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "kv-bound-h200-steps.jsonl.gz"
 KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B shape
 model, _ = fit_step_time(step_rows(STEPS), per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
-print(f"step time = {model.base * 1e3:.2f} ms + {model.per_seq * 1e6:.2f} us/seq + {model.per_kv_token * 1e9:.1f} "
-      f"ns/KV token + {model.per_prefill_token * 1e6:.2f} us/prefill token + {model.per_mixed_step * 1e3:.2f} ms "
-      f"per step with prefill", flush=True)
+print(f"step time = {model}", flush=True)
 bench = load_bench_config("configs/bench/gpu.yaml", sys.argv[2:])
 for profile in bench.profiles:
     row = {}

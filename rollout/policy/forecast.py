@@ -291,8 +291,8 @@ class ForecastPolicy(MemoryPolicy):
         self.admitted_last = admit
         self._forecast_at = (self.lengths.count, state.num_running)
         if state.running_shared is not None:  # prompt tokens running samples would hold again without sharing
-            once = np.unique(np.c_[state.running_group, state.running_shared], axis=0)[:, 1].sum()
-            self.shared_prompt_tokens = int(state.running_shared.sum() - once)
+            _, holder = np.unique(state.running_group, return_index=True)
+            self.shared_prompt_tokens = int(state.running_shared.sum() - state.running_shared[holder].sum())
         self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running,
                              self.min_cap, self.max_cap)
         return self.cap

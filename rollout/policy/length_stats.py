@@ -183,9 +183,10 @@ class LengthStats:
             getattr(self, name).merge(getattr(other, name))
         if self.block_size == other.block_size:
             self.total_blocks.merge(other.total_blocks)
-        for k, weight in enumerate(other.output_histogram):
-            if weight:
-                self._add_to_histogram(k * HISTOGRAM_BIN_TOKENS, weight)
+        if self.forgetting != "window":  # a window's histogram comes from its merged values
+            for k, weight in enumerate(other.output_histogram):
+                if weight:
+                    self._add_to_histogram(k * HISTOGRAM_BIN_TOKENS, weight)
 
     def to_dict(self) -> dict:
         return {

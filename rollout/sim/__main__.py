@@ -39,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = step_rows(folder / f"steps-{profile.name}.jsonl.gz")
         model, fit_error = fit_step_time(step_rows(args.fit) if args.fit else runs, per_kv)
         capacity_tokens = max(run["kv_capacity_tokens"] or 0 for run in runs)  # "vllm" runs record none
-        print(f"### {profile.name}: step time = {model.base * 1e3:.2f} ms + {model.per_seq * 1e6:.2f} us/seq + "
-              f"{model.per_kv_token * 1e9:.3f} ns/KV token + {model.per_prefill_token * 1e6:.2f} us/prefill token "
-              f"+ {model.per_mixed_step * 1e3:.2f} ms per step with prefill "
+        print(f"### {profile.name}: step time = {model} "
               f"(fitted to {args.fit or 'these runs'}; total-time error of the fit {fit_error:.1%})\n")
         print("| scheduler | measured tok/s | simulated tok/s | error | measured preemptions | simulated |")
         print("|---|---|---|---|---|---|")

@@ -35,6 +35,11 @@ class StepTimeModel:
         return (self.base + self.per_seq * decode_seqs + self.per_kv_token * kv_tokens
                 + self.per_prefill_token * prefill_tokens + (self.per_mixed_step if prefill_tokens else 0.0))
 
+    def __str__(self) -> str:
+        return (f"{self.base * 1e3:.2f} ms + {self.per_seq * 1e6:.2f} us/seq + {self.per_kv_token * 1e9:.1f} ns/KV "
+                f"token + {self.per_prefill_token * 1e6:.2f} us/prefill token + {self.per_mixed_step * 1e3:.2f} ms "
+                "per step with prefill")
+
 
 @dataclass
 class SimRequest:

@@ -36,7 +36,7 @@ def fit_step_time(runs: list[dict], per_kv_token: float | None = None) -> tuple[
         durations.append(dt)
     x, y = np.vstack(features), np.concatenate(durations)
     # A slow step without prefill is a host hiccup, not a step; slow steps with prefill are what prices prefill
-    # and recomputation (dropping them once made recomputation look 8x cheaper than it is).
+    # and recomputation (dropping them once made recomputation look 6x cheaper than it is).
     keep = ~((y > 10 * np.median(y)) & (x[:, 3] == 0))
     if per_kv_token is None:
         coef, _ = nnls(x[keep], y[keep])
