@@ -207,38 +207,35 @@ class _DynamicBatchMixin:
             self._write(record)
 
     def _describe_requests(self, state: StepState) -> None:
-        def tokens_and_remaining(requests):
-            held = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=len(requests))
-            left = np.fromiter((r.max_tokens - r.num_output_tokens for r in requests), dtype=np.int64,
-                               count=len(requests))
-            return held, left
+        unshared = (-1, 0)
 
-        def generated(requests):
-            return np.fromiter((r.num_output_tokens for r in requests), dtype=np.int64, count=len(requests))
+        def columns(requests) -> np.ndarray:  # one pass: tokens held, output so far, max tokens, group, shared
+            group = self._request_group
+            return np.array([(r.num_tokens, r.num_output_tokens, r.max_tokens, *group.get(r.request_id, unshared))
+                             for r in requests], dtype=np.int64).reshape(-1, 5)
 
-        state.running_tokens, state.running_remaining = tokens_and_remaining(self.running)
-        # Preempted requests wait at the front; only as many as the cap could still admit, and whose tokens
-        # would fit in the cache beside the running ones (plus one), matter.
+        running = columns(self.running)
+        # Preempted requests wait at the front; only as many as the cap could still admit (and the policy
+        # asks for), and whose tokens would fit in the cache beside the running ones (plus one), matter.
         headroom = self.max_cap - len(self.running)
-        free_tokens = state.kv_capacity_blocks * state.block_size - int(state.running_tokens.sum())
+        limit = self.batch_policy.waiting_limit()
+        free_tokens = state.kv_capacity_blocks * state.block_size - int(running[:, 0].sum())
         waiting = []
-        for request in itertools.islice(iter(self.waiting), headroom):
+        for request in itertools.islice(iter(self.waiting), headroom if limit is None else min(headroom, limit)):
             waiting.append(request)
             free_tokens -= request.num_tokens
             if free_tokens < 0:
                 break
-        state.waiting_tokens, state.waiting_remaining = tokens_and_remaining(waiting)
-        state.running_generated, state.waiting_generated = generated(self.running), generated(waiting)
+        for side, table in (("running", running), ("waiting", columns(waiting))):
+            setattr(state, f"{side}_tokens", table[:, 0])
+            setattr(state, f"{side}_generated", table[:, 1])
+            setattr(state, f"{side}_remaining", table[:, 2] - table[:, 1])
+            if self._request_group:
+                setattr(state, f"{side}_group", table[:, 3])
+                setattr(state, f"{side}_shared", table[:, 4])
         if self._scaled:
             state.running_scale = np.fromiter(map(length_scale, self.running), dtype=float, count=len(self.running))
             state.waiting_scale = np.fromiter(map(length_scale, waiting), dtype=float, count=len(waiting))
-        if self._request_group:
-            unshared = (-1, 0)
-            for side, requests in (("running", self.running), ("waiting", waiting)):
-                pairs = np.array([self._request_group.get(r.request_id, unshared) for r in requests],
-                                 dtype=np.int64).reshape(-1, 2)
-                setattr(state, f"{side}_group", pairs[:, 0])
-                setattr(state, f"{side}_shared", pairs[:, 1])
 
     def _preempt_request(self, request, *args, **kwargs):
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rollout.policy import make_policy
-from rollout.policy.forecast import shared_prompt_holding
+from rollout.policy.forecast import Groups, shared_prompt_holding
 from rollout.policy.oracle import oracle_admissions
 from rollout.sim import StepTimeModel, simulate
 
@@ -17,13 +17,25 @@ def test_a_groups_shared_prompt_counts_once_while_any_member_runs():
     alive = rng.random((7, 5))
     group = np.array([3, 1, 3, 3, 1, 8, 3])
     shared = np.array([64, 32, 64, 64, 32, 0, 64], dtype=float)
-    holding = shared_prompt_holding(alive, group, shared)
+    holding = shared_prompt_holding(alive, Groups(group), shared)
     for g in (3, 1):
         rows = group == g
         expected = shared[rows][0] * (1 - np.prod(1 - alive[rows], axis=0))  # P(any member alive)
         np.testing.assert_allclose((holding * alive)[rows].sum(axis=0), expected)
     assert np.all(holding[group == 8] == 0)
     assert np.all(holding[0] == 64)  # a group's first row always carries the prompt
+
+
+def test_group_sums_cover_earlier_rows_of_the_same_group_only():
+    rng = np.random.default_rng(1)
+    group = rng.integers(-1, 12, 60)  # -1: a request without a group (no prompt ids): never summed with others
+    values = rng.random((60, 3))
+    expected = np.zeros_like(values)
+    for i in range(60):
+        if group[i] >= 0:
+            expected[i] = values[:i][group[:i] == group[i]].sum(axis=0)
+    np.testing.assert_allclose(Groups(group).earlier_sum(values), expected)
+    assert not Groups(np.arange(5)) and not Groups(np.full(4, -1))  # alone in their groups: nothing shared
 
 
 def test_the_oracle_admits_more_when_samples_share_their_prompt():

@@ -28,7 +28,8 @@ class StepState:
     pending_prompt_tokens_mean: float = 0.0
     pending_max_tokens_mean: float = 0.0
     # Per-request arrays (tokens held, tokens still to generate up to max_tokens), filled only for policies
-    # that set `needs_requests`; waiting requests in queue order, at most the cap's headroom of them.
+    # that set `needs_requests`; waiting requests in queue order, at most the cap's headroom of them (and the
+    # policy's `waiting_limit`).
     running_tokens: Any = None
     running_remaining: Any = None
     waiting_tokens: Any = None
@@ -70,6 +71,11 @@ class StaticPolicy:
     def wants_requests(self, state: StepState) -> bool:
         """Whether this step's StepState must carry the per-request arrays (they cost a pass over requests)."""
         return self.needs_requests
+
+    def waiting_limit(self) -> int | None:
+        """At most how many waiting requests (the queue's head) the per-request arrays describe; None: as
+        many as the cap could admit."""
+        return None
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
         """A finished request; `length_scale` is how long its prompt's outputs were predicted to be relative
@@ -251,6 +257,13 @@ class FallbackPolicy:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
             return False
+
+    def waiting_limit(self) -> int | None:
+        try:
+            return self.policy.waiting_limit()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+            return None
 
     def _fail(self, exc: Exception) -> None:
         self.error = f"{type(exc).__name__}: {exc}"

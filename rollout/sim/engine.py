@@ -11,6 +11,7 @@ member admitted while they are held computes only the rest. Step time comes from
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -110,7 +111,9 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         if policy.wants_requests(state):
             state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
             state.running_remaining = np.array([r.output_tokens - r.generated for r in running], dtype=np.int64)
-            head = list(waiting)[:max(max_num_seqs - len(running), 0)]
+            limit = policy.waiting_limit()
+            headroom = max(max_num_seqs - len(running), 0)
+            head = list(itertools.islice(waiting, headroom if limit is None else min(headroom, limit)))
             state.waiting_tokens = np.array([r.prompt_tokens + r.generated for r in head], dtype=np.int64)
             state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
             state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
