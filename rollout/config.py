@@ -95,10 +95,13 @@ class PolicyConfig:
     sla_chunk_min_tokens: int = 32
     sla_chunk_relax_tokens: float = 64.0
     sla_chunk_hold_tokens: float = 32.0
-    # forecast: finished lengths needed before forecasting (Algorithm 1 until then), and the weight of each
-    # earlier pass's length when a new pass starts.
+    # forecast: finished lengths needed before the estimate rests on them alone, and the weight of each earlier
+    # pass's length when a new pass starts. Until then (cold start): gamma = a gamma prior (this shape, mean of
+    # the requests' max_tokens) stands in for the missing lengths; memory = Algorithm 1's worst case.
     forecast_after: int = 32
     forecast_carry_over: float = 0.05
+    forecast_cold_start: str = "gamma"  # gamma | memory
+    forecast_cold_start_shape: float = 3.0
     # Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go
     # first (the driver's per-prompt memory, saved beside the length statistics as prompt_lengths.json;
     # unseen prompts rank at the mean), and each request carries its predicted relative length to the
@@ -181,6 +184,10 @@ def validate(cfg: RunConfig) -> None:
     need(p.sla_eps_ms is None or 0 <= p.sla_eps_ms, f"policy.sla_eps_ms must be >= 0, got {p.sla_eps_ms}")
     need(p.forecast_after >= 1, f"policy.forecast_after must be >= 1, got {p.forecast_after}")
     need(0 <= p.forecast_carry_over <= 1, f"policy.forecast_carry_over must be in [0, 1], got {p.forecast_carry_over}")
+    need(p.forecast_cold_start in ("gamma", "memory"),
+         f"policy.forecast_cold_start must be gamma or memory, got {p.forecast_cold_start!r}")
+    need(p.forecast_cold_start_shape > 0,
+         f"policy.forecast_cold_start_shape must be > 0, got {p.forecast_cold_start_shape}")
     need(cfg.model.data_parallel_size >= 1,
          f"model.data_parallel_size must be >= 1, got {cfg.model.data_parallel_size}")
     need(cfg.model.device_ids is None or len(cfg.model.device_ids) >= cfg.model.data_parallel_size,

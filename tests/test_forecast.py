@@ -84,20 +84,60 @@ def test_spread_and_less_memory_admit_fewer():
     assert expected_demand_admissions(*args, 100.0, 16, 0.0) == 0  # the running ones alone overflow
 
 
-def test_cold_start_is_algorithm_1_then_forecast():
+def cold_state() -> StepState:
+    return StepState(num_running=0, num_waiting=100, kv_capacity_blocks=1000, block_size=16,
+                     pending_prompt_tokens_mean=100, pending_max_tokens_mean=1500,
+                     running_tokens=np.zeros(0, int), running_remaining=np.zeros(0, int),
+                     waiting_tokens=np.full(100, 100), waiting_remaining=np.full(100, 1500),
+                     running_generated=np.zeros(0, int), waiting_generated=np.zeros(100, int))
+
+
+def test_memory_cold_start_is_algorithm_1_then_forecast():
     policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "min_observations": 4,
-                          "forecast_after": 4})
+                          "forecast_after": 4, "forecast_cold_start": "memory"})
     assert isinstance(policy, ForecastPolicy) and policy.needs_requests
-    state = StepState(num_running=0, num_waiting=100, kv_capacity_blocks=1000, block_size=16,
-                      pending_prompt_tokens_mean=100, pending_max_tokens_mean=1500,
-                      running_tokens=np.zeros(0, int), running_remaining=np.zeros(0, int),
-                      waiting_tokens=np.full(100, 100), waiting_remaining=np.full(100, 1500),
-                      running_generated=np.zeros(0, int), waiting_generated=np.zeros(100, int))
+    state = cold_state()
     worst_case = policy.batch_cap(state)
     assert worst_case == 10  # 16,000 tokens / (100 + 1500) per request
     for n in (90, 100, 110, 120):  # short outputs seen: forecast admits far more than the worst case
         policy.observe_finished(100, n)
     assert policy.batch_cap(state) > 5 * worst_case
+
+
+def test_gamma_cold_start_forecasts_with_a_prior_of_the_max_tokens_mean():
+    policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05})  # the default cold start
+    state = cold_state()
+    prior = policy._estimate(state)
+    mean, _ = prior.conditional(np.array([0]))
+    assert mean[0] == pytest.approx(1500, abs=16)  # nothing finished: the prior's mean, within a bin
+    # Requests finish at different times: the expected peak is below the sum of their demands (Algorithm 1's
+    # 10 = 16,000 / 1,600), and no more than an exponential's (a memoryless tail) would let in.
+    cap = policy.batch_cap(state)
+    assert 10 < cap <= 27
+    for n in range(40):  # the prior leaves once forecast_after lengths are in
+        policy.observe_finished(100, 100)
+    assert policy._estimate(state) is policy.lengths
+    assert policy.batch_cap(state) > 4 * cap
+
+
+def test_simulated_long_outputs_start_sooner_with_the_gamma_cold_start():
+    # Long, spread-out outputs, KV enough for all at once: Algorithm 1's cold start (every request as long as
+    # the mean, all at once) holds back requests that fit; the longest ones then start late.
+    from rollout.sim.engine import StepTimeModel, simulate
+    from rollout.workloads import ProfileConfig, profile_requests
+
+    profile = ProfileConfig(num_prompts=128, prompt_tokens=64, median_output=300, sigma=0.9, max_output=1600)
+    requests = [(len(r.prompt.token_ids), r.output_tokens) for r in profile_requests(profile, 0)]
+    requests.append(requests.pop(int(np.argmax([out for _, out in requests]))))  # the longest comes last
+    runs, first_cap = {}, {}
+    for cold_start in ("memory", "gamma"):
+        policy = make_policy({"name": "forecast", "b_max": 512, "eps_m": 0.05, "forecast_cold_start": cold_start})
+        runs[cold_start] = simulate(requests, policy, kv_capacity_blocks=3200, block_size=16, max_num_seqs=512,
+                                    token_budget=8192, step_time=StepTimeModel(), keep_trace=True)
+        first_cap[cold_start] = runs[cold_start].trace[0][2]
+        assert runs[cold_start].preemptions == 0
+    assert first_cap["gamma"] == len(requests) > first_cap["memory"]
+    assert runs["gamma"].makespan_s < runs["memory"].makespan_s
 
 
 def test_simulated_kv_bound_workload_preempts_less_than_algorithm_1():

@@ -264,14 +264,15 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
 class ForecastPolicy(MemoryPolicy):
     """Admission by the forecast peak KV of running and admitted requests, from censored length estimates.
 
-    Until `forecast_after` requests have finished (earlier passes counted at their carried weight) it behaves
-    as Algorithm 1."""
+    Until `forecast_after` requests have finished (earlier passes counted at their carried weight) it forecasts
+    with a prior in their place (`cold_start="gamma"`) or behaves as Algorithm 1 (`"memory"`)."""
 
     name = "forecast"
     needs_requests = True
 
     def __init__(self, *args, bin_tokens: int = 16, tail: str = "lognormal", carry_over: float = 0.05,
-                 forecast_after: int = 32, **kwargs) -> None:
+                 forecast_after: int = 32, cold_start: str = "gamma", cold_start_shape: float = 3.0,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Fewer finished lengths than this leave the tail too uncertain, and they are the short ones: Algorithm 1
         # fed by them over-admits. Until then, Algorithm 1's worst-case cold start decides (in the simulator, 8
@@ -284,6 +285,13 @@ class ForecastPolicy(MemoryPolicy):
             if weight > 0:
                 self.lengths.observe((k + 0.5) * HISTOGRAM_BIN_TOKENS, weight)
         self.carry_over = carry_over  # weight of earlier passes' lengths when a new pass starts
+        if cold_start not in ("gamma", "memory"):
+            raise ValueError(f"cold_start must be 'gamma' or 'memory', not {cold_start!r}")
+        if not cold_start_shape > 0:
+            raise ValueError(f"cold_start_shape must be > 0, not {cold_start_shape!r}")
+        self.cold_start = cold_start
+        self.cold_start_shape = cold_start_shape
+        self._prior_key, self._prior = None, None  # the last cold-start estimate and what it was built from
         self.admitted_last = 0
         self.shared_prompt_tokens = 0
         self.margin_blocks: float | None = None  # kept free against uncertainty at the forecast's closest point
@@ -305,7 +313,38 @@ class ForecastPolicy(MemoryPolicy):
             self.lengths.observe(length, self.carry_over)
 
     def _forecasting(self, state: StepState) -> bool:
-        return self.lengths.count >= self.min_observations and state.num_waiting > 0
+        return state.num_waiting > 0 and (self.lengths.count >= self.min_observations or (
+            self.cold_start == "gamma" and state.pending_max_tokens_mean > 0))
+
+    def _estimate(self, state: StepState) -> CensoredLengths:
+        """The length estimate to forecast with. Until `forecast_after` have finished (cold start): what has
+        finished plus, weighing the missing observations, a gamma prior whose mean is the unfinished requests'
+        mean max_tokens. Shape 1 is exponential (the spread of a mean alone); larger shapes concentrate the
+        lengths around the mean, towards Algorithm 1's cold start (every request as long as the mean, which
+        holds the whole demand at once and admitted half of what fitted on long-cot). Shape 3: in the
+        simulator with the H100 step model, 0-0.9% recomputed where shape 1 preempted 6% (real lengths: a
+        third at the cap, which a gamma underweights), and 1.0-1.05x the Algorithm 1 cold start elsewhere."""
+        missing = self.min_observations - self.lengths.count
+        if missing <= 0:
+            return self.lengths
+        mean = max(state.pending_max_tokens_mean, 1.0)
+        key = (round(mean / self.lengths.bin_tokens), self.lengths.count)
+        if self._prior_key == key:  # unchanged since the last step: no new finish, same pending mean
+            return self._prior
+        blended = CensoredLengths(self.lengths.bin_tokens, tail="none")
+        edges = np.arange(int(np.ceil(5 * mean / self.lengths.bin_tokens)) + 1) * self.lengths.bin_tokens
+        from scipy import stats
+
+        survival = stats.gamma.sf(edges, self.cold_start_shape, scale=mean / self.cold_start_shape)
+        mass = -np.diff(survival)
+        mass[-1] += survival[-1]
+        size = max(len(mass), len(self.lengths.finished))
+        blended.finished = np.pad(mass * missing, (0, size - len(mass))) + np.pad(
+            self.lengths.finished, (0, size - len(self.lengths.finished)))
+        blended.count = self.lengths.count + missing
+        blended.longest_bin = max(self.lengths.longest_bin, len(mass) - 1)
+        self._prior_key, self._prior = key, blended
+        return blended
 
     def wants_requests(self, state: StepState) -> bool:
         # After a forecast that admitted nothing, demand only grows until a request finishes or leaves:
@@ -330,7 +369,7 @@ class ForecastPolicy(MemoryPolicy):
             return self.cap
         admit, margin_tokens = expected_demand_admissions(
             state.running_tokens, state.running_generated, state.waiting_tokens, state.waiting_generated,
-            self.lengths, state.kv_capacity_blocks * state.block_size, state.block_size, self.theta,
+            self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size, self.theta,
             state.running_scale, state.waiting_scale, state.running_group, state.waiting_group,
             state.running_shared, state.waiting_shared, with_margin=True)
         self.margin_blocks = margin_tokens / state.block_size

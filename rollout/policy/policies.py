@@ -342,5 +342,7 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
         from rollout.policy.forecast import ForecastPolicy
 
         return ForecastPolicy(forecast_after=int(settings.get("forecast_after", 32)),
+                              cold_start=str(settings.get("forecast_cold_start", "gamma")),
+                              cold_start_shape=float(settings.get("forecast_cold_start_shape", 3.0)),
                               carry_over=float(settings.get("forecast_carry_over", 0.05)), **memory)
     return POLICIES[name](**memory)
