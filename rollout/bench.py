@@ -150,6 +150,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
                 offset = trace[-1]["t"] if trace else 0.0
                 trace += [{**step, "t": step["t"] - result.trace[0]["t"] + offset} for step in result.trace]
     policy_us = [s["policy_us"] for s in trace if "policy_us" in s]
+    policy_cpu_us = [s["policy_cpu_us"] for s in trace if "policy_cpu_us" in s]
     step_s = wall / len(trace) if trace else None
     return {
         "profile": profile.name, "scheduler": scheduler, "requested_tokens": requested,
@@ -161,6 +162,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         "drain_tail_fraction": drain_tail_fraction(trace),
         "policy_us_mean": round(statistics.mean(policy_us), 1) if policy_us else None,
         "policy_time_fraction": round(statistics.mean(policy_us) * 1e-6 / step_s, 5) if policy_us else None,
+        "policy_cpu_fraction": round(statistics.mean(policy_cpu_us) * 1e-6 / step_s, 5) if policy_cpu_us else None,
         "timeline": [{k: s[k] for k in ("t", "running", "kv_usage", "cap")} for s in trace[::max(1, len(trace) // 300)]],
         "kv_capacity_tokens": kv_capacity_tokens,
         "steps": [[s["t"], s["running"], s["scheduled_tokens"], s["kv_usage"], s["preempted"]] for s in trace],
@@ -173,7 +175,7 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
         r["scheduler"] == "vllm" for r in rows) else None
     lines = [f"### {profile}", "",
              "| scheduler | tok/s median (min-max) | vs vllm | makespan s | preemptions | recomputed % | "
-             "mean running | KV use | drain tail | policy % of step |",
+             "mean running | KV use | drain tail | policy % of step (CPU) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
 
     def med(runs, key, fmt, scale=1.0):
@@ -192,7 +194,7 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
             f"{med(runs, 'recomputed_fraction', '{:.2f}', 100)} | "
             f"{med(runs, 'mean_running', '{:.1f}')} | {med(runs, 'kv_usage_mean', '{:.2f}')} | "
             f"{med(runs, 'drain_tail_fraction', '{:.2f}')} | "
-            f"{med(runs, 'policy_time_fraction', '{:.3f}', 100)} |")
+            f"{med(runs, 'policy_time_fraction', '{:.3f}', 100)} ({med(runs, 'policy_cpu_fraction', '{:.3f}', 100)}) |")
     return "\n".join(lines) + "\n"
 
 
