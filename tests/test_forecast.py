@@ -277,3 +277,20 @@ def test_the_forecast_reports_its_margin_as_the_safety_buffer():
     loose = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
                                        state.waiting_generated, policy.lengths, 60 * 16, 16, 0.5, with_margin=True)
     assert loose[0] >= admit and loose[1] < margin
+
+
+def test_the_weighted_censored_fit_is_scipys_maximum_likelihood():
+    from scipy import stats
+
+    from rollout.policy.forecast import censored_normal_fit
+
+    rng = np.random.default_rng(3)
+    lengths = np.round(rng.normal(5.0, 0.8, 600), 1)
+    limits = np.round(rng.uniform(3.0, 6.5, 600), 1)
+    finished, running = lengths[lengths <= limits], limits[lengths > limits]  # running: known to exceed
+    expected = stats.norm.fit(stats.CensoredData(uncensored=finished, right=running))
+    values, weights = np.unique(finished, return_counts=True)
+    censored, censored_weights = np.unique(running, return_counts=True)
+    fitted = censored_normal_fit(values, weights.astype(float), censored, censored_weights.astype(float))
+    np.testing.assert_allclose(fitted, expected, rtol=2e-3)
+    assert fitted[0] > finished.mean()  # the censored ones pull the mean up: finished alone are the short ones

@@ -24,6 +24,28 @@ FIRST_WINDOW = 16  # waiting requests forecast first (most steps admit fewer)
 WAITING_LIMIT = 256  # waiting requests described to the policy each step (at least)
 
 
+def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.ndarray,
+                        censored_weights: np.ndarray) -> tuple[float, float]:
+    """Maximum-likelihood mean and sd of a normal from weighted observations and weighted right-censored ones
+    (known only to exceed their value). What scipy.stats.norm.fit does with CensoredData, over distinct values
+    with weights: ~1 ms instead of ~20 ms, which at each refit was half the policy's time."""
+    from scipy import optimize, special
+
+    total = weights.sum()
+    mean = float(np.sum(weights * values) / total) if total else float(np.mean(censored))
+    sd = float(np.sqrt(np.sum(weights * (values - mean) ** 2) / total)) if total else 1.0
+
+    def negative_log_likelihood(params: np.ndarray) -> float:
+        mu, log_sigma = params
+        sigma = np.exp(log_sigma)
+        observed = np.sum(weights * (-0.5 * ((values - mu) / sigma) ** 2 - log_sigma))
+        return -(observed + np.sum(censored_weights * special.log_ndtr((mu - censored) / sigma)))
+
+    fit = optimize.minimize(negative_log_likelihood, [mean, np.log(max(sd, 1e-3))], method="Nelder-Mead",
+                            options={"xatol": 1e-4, "fatol": 1e-6})
+    return float(fit.x[0]), float(np.exp(fit.x[1]))
+
+
 class CensoredLengths:
     """Kaplan-Meier estimate of the output-length distribution over bins of `bin_tokens` tokens."""
 
@@ -54,18 +76,15 @@ class CensoredLengths:
 
     def _lognormal(self, generated: np.ndarray) -> tuple[float, float]:
         """Log-mean and log-sd of a lognormal fitted (censored maximum likelihood) to the finished lengths and
-        the running requests' output so far; refitted each time the finished count doubles (a fit takes ~10 ms)."""
+        the running requests' output so far; refitted each time the finished count doubles."""
         if self._tail_fit is None or self.count >= 2 * self._tail_fit[0]:
-            from scipy import stats
-
             centers = (np.arange(len(self.finished)) + 0.5) * self.bin_tokens
             # Carried-over passes weigh each length by a fraction: rounding the running total (not each bin)
             # keeps their mass and shape.
-            counts = np.diff(np.round(np.cumsum(self.finished)), prepend=0.0).astype(int)
-            data = stats.CensoredData(uncensored=np.log(np.repeat(centers, counts)),
-                                      right=np.log(np.maximum(generated, 1)))
-            log_mean, log_sd = stats.norm.fit(data)
-            self._tail_fit = (self.count, float(log_mean), float(max(log_sd, 1e-3)))
+            counts = np.diff(np.round(np.cumsum(self.finished)), prepend=0.0)
+            censored, times = np.unique(np.log(np.maximum(generated, 1)), return_counts=True)
+            log_mean, log_sd = censored_normal_fit(np.log(centers[counts > 0]), counts[counts > 0], censored, times)
+            self._tail_fit = (self.count, log_mean, max(log_sd, 1e-3))
         return self._tail_fit[1:]
 
     def reach(self, generated: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -296,6 +315,7 @@ class ForecastPolicy(MemoryPolicy):
         self.shared_prompt_tokens = 0
         self.margin_blocks: float | None = None  # kept free against uncertainty at the forecast's closest point
         self._forecast_at: tuple[int, int] | None = None  # (finished count, running count) of the last forecast
+
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
         super().observe_finished(prompt_tokens, output_tokens, length_scale)
