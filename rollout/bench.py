@@ -179,7 +179,7 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
 
     def med(runs, key, fmt, scale=1.0):
-        values = [r[key] * scale for r in runs if r[key] is not None]
+        values = [r[key] * scale for r in runs if r.get(key) is not None]  # older results lack newer keys
         return fmt.format(statistics.median(values)) if values else "-"
 
     for name in schedulers:
