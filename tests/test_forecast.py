@@ -294,3 +294,38 @@ def test_the_weighted_censored_fit_is_scipys_maximum_likelihood():
     fitted = censored_normal_fit(values, weights.astype(float), censored, censored_weights.astype(float))
     np.testing.assert_allclose(fitted, expected, rtol=2e-3)
     assert fitted[0] > finished.mean()  # the censored ones pull the mean up: finished alone are the short ones
+
+
+def test_forecasting_the_queue_a_prefix_at_a_time_gives_the_whole_queues_answer(monkeypatch):
+    import rollout.policy.forecast as forecast
+
+    rng = np.random.default_rng(5)
+    lengths = CensoredLengths(bin_tokens=16)
+    for n in rng.lognormal(5.5, 0.7, 300):
+        lengths.observe(n)
+    cases = []
+    for _ in range(40):
+        running, waiting = int(rng.integers(0, 60)), int(rng.integers(1, 400))
+        group = rng.integers(-1, 50, running + waiting)  # some alone, some in groups, some in none
+        shared = np.where(group >= 0, 128, 0)
+        capacity = float(rng.choice([8_000, 20_000, 50_000, 150_000, 400_000]))
+        cases.append((100 + rng.integers(0, 600, running), rng.integers(0, 600, running), np.full(waiting, 200),
+                      np.zeros(waiting, int), lengths, capacity, 16, 1.64, None, None,
+                      group[:running], group[running:], shared[:running], shared[running:]))
+    windowed = [expected_demand_admissions(*case, with_margin=True) for case in cases]
+    monkeypatch.setattr(forecast, "FIRST_WINDOW", 10_000)  # the whole queue at once
+    whole = [expected_demand_admissions(*case, with_margin=True) for case in cases]
+    assert [admit for admit, _ in windowed] == [admit for admit, _ in whole]
+    np.testing.assert_allclose([margin for _, margin in windowed], [margin for _, margin in whole], rtol=1e-9)
+    admits = [admit for admit, _ in whole]
+    assert min(admits) < 16 and max(admits) > 64  # within the first window, and past the second
+
+
+def test_the_policy_describes_a_limited_head_of_the_queue_once_forecasting():
+    policy = ForecastPolicy(0.05, 1024)
+    assert policy.waiting_limit() is None  # before the first forecast the whole queue may matter
+    policy.batch_cap(cold_state())
+    assert 0 < policy.admitted_last < 100
+    assert policy.waiting_limit() == 256
+    policy.admitted_last = 200
+    assert policy.waiting_limit() == 400  # a limit that all fitted grows

@@ -167,7 +167,6 @@ class Groups:
         self.rows = order[member]  # grouped, queue order within a group
         first = np.flatnonzero(starts[member])
         self.first = first[np.searchsorted(first, np.arange(len(self.rows)), side="right") - 1]
-        self.size = len(group)
 
     def __bool__(self) -> bool:
         return len(self.rows) > 0
@@ -293,9 +292,9 @@ class ForecastPolicy(MemoryPolicy):
                  forecast_after: int = 32, cold_start: str = "gamma", cold_start_shape: float = 3.0,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # Fewer finished lengths than this leave the tail too uncertain, and they are the short ones: Algorithm 1
-        # fed by them over-admits. Until then, Algorithm 1's worst-case cold start decides (in the simulator, 8
-        # instead of 32 preempted 2-4% of the tokens of the long-cot and real profiles).
+        # Fewer finished lengths than this leave the tail too uncertain, and they are the short ones: forecasting
+        # from them alone over-admits (in the simulator, 8 instead of 32 preempted 2-4% of the tokens of the
+        # long-cot and real profiles). Until then a prior stands in for the missing ones (see `_estimate`).
         self.min_observations = max(self.min_observations, forecast_after)
         self.lengths = CensoredLengths(bin_tokens, tail)
         # Saved statistics carry earlier runs' lengths: they seed the estimate as earlier passes do (the first
@@ -315,7 +314,6 @@ class ForecastPolicy(MemoryPolicy):
         self.shared_prompt_tokens = 0
         self.margin_blocks: float | None = None  # kept free against uncertainty at the forecast's closest point
         self._forecast_at: tuple[int, int] | None = None  # (finished count, running count) of the last forecast
-
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
         super().observe_finished(prompt_tokens, output_tokens, length_scale)
