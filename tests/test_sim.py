@@ -95,3 +95,28 @@ def test_a_prompt_larger_than_the_cache_is_an_error_not_a_hang():
     with pytest.raises(ValueError, match="no progress"):
         simulate([(4000, 10)], make_policy({"name": "static", "b_max": 4}), kv_capacity_blocks=10, block_size=16,
                  max_num_seqs=4, token_budget=8192, step_time=MODEL)
+
+
+def test_the_simulator_check_on_a_committed_gpu_run_with_and_without_the_policys_time(capsys):
+    from pathlib import Path
+
+    from rollout.sim.__main__ import main
+
+    root = Path(__file__).resolve().parent.parent
+    args = ["--config", str(root / "configs/bench/gpu.yaml"), "--steps", str(root / "docs/benchmarks/stop12/runs/real"),
+            "--fit", str(root / "docs/benchmarks/kv-bound-h100-stop11-steps.jsonl.gz"), "--per-kv-token-ns", "40",
+            "only=[real]", "profiles.4.num_prompts=512", "schedulers=[vllm,forecast]"]
+
+    def simulated() -> dict:
+        rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+        return {cells[1].strip(): (float(cells[2]), float(cells[3])) for cells in rows[1:]}
+
+    assert main(args) == 0
+    plain = simulated()
+    assert main(args + ["--policy-time"]) == 0
+    timed = simulated()
+    for name in ("vllm", "forecast"):
+        measured, sim = timed[name]
+        assert abs(sim / measured - 1) < 0.10  # the bound, on a profile the model was not fitted to
+    assert timed["vllm"] == plain["vllm"]  # vLLM's own scheduler has no policy of ours to pay for
+    assert timed["forecast"][1] < plain["forecast"][1]

@@ -8,6 +8,7 @@ DIR/results.json) with the error and whether the ranking of schedulers agrees.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-budget", type=int, default=16384,
                         help="vLLM's max_num_batched_tokens (its offline default on H100/H200-class GPUs)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--policy-time", action="store_true",
+                        help="add each scheduler's measured policy time per step (results.json) to its simulated "
+                             "steps, as if the policy ran on the critical path (the simulator has no policy cost)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     bench = load_bench_config(args.config, args.overrides)
@@ -48,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             real = [r for r in measured if r["profile"] == profile.name and r["scheduler"] == name]
             if not real:
                 continue
-            run = simulate_profile(bench, profile, name, model, kv_capacity_tokens=capacity_tokens,
+            step_model = model
+            policy_us = [r["policy_us_mean"] for r in real if r.get("policy_us_mean") is not None]
+            if args.policy_time and policy_us:
+                step_model = dataclasses.replace(model, base=model.base + statistics.median(policy_us) * 1e-6)
+            run = simulate_profile(bench, profile, name, step_model, kv_capacity_tokens=capacity_tokens,
                                    block_size=args.block_size, token_budget=args.token_budget)
             real_tps = statistics.median(r["tokens_per_s"] for r in real)
             real_rank[name], sim_rank[name] = real_tps, run.tokens_per_s
