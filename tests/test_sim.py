@@ -103,7 +103,7 @@ def test_the_simulator_check_on_a_committed_gpu_run_with_and_without_the_policys
     from rollout.sim.__main__ import main
 
     root = Path(__file__).resolve().parent.parent
-    args = ["--config", str(root / "configs/bench/gpu.yaml"), "--steps", str(root / "docs/benchmarks/stop12/runs/real"),
+    args = ["--config", str(root / "configs/bench/gpu.yaml"), "--steps", str(root / "docs/benchmarks/stop12/per-profile/real"),
             "--fit", str(root / "docs/benchmarks/kv-bound-h100-stop11-steps.jsonl.gz"), "--per-kv-token-ns", "40",
             "only=[real]", "profiles.4.num_prompts=512", "schedulers=[vllm,forecast]"]
 
