@@ -342,6 +342,8 @@ class ForecastPolicy(MemoryPolicy):
         holds the whole demand at once and admitted half of what fitted on long-cot). Shape 3: in the
         simulator with the H100 step model, 0-0.9% recomputed where shape 1 preempted 6% (real lengths: a
         third at the cap, which a gamma underweights), and 1.0-1.05x the Algorithm 1 cold start elsewhere."""
+        from scipy import stats
+
         missing = self.min_observations - self.lengths.count
         if missing <= 0:
             return self.lengths
@@ -351,8 +353,6 @@ class ForecastPolicy(MemoryPolicy):
             return self._prior
         blended = CensoredLengths(self.lengths.bin_tokens, tail="none")
         edges = np.arange(int(np.ceil(5 * mean / self.lengths.bin_tokens)) + 1) * self.lengths.bin_tokens
-        from scipy import stats
-
         survival = stats.gamma.sf(edges, self.cold_start_shape, scale=mean / self.cold_start_shape)
         mass = -np.diff(survival)
         mass[-1] += survival[-1]
