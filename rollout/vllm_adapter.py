@@ -220,14 +220,20 @@ class _DynamicBatchMixin:
 
         running = columns(self.running)
         # Preempted requests wait at the front; only as many as the cap could still admit (and the policy
-        # asks for), and whose tokens would fit in the cache beside the running ones (plus one), matter.
+        # asks for), and whose tokens would fit in the free blocks (plus one), matter. A group's prompt
+        # blocks are held once: counting them per sample (as this did) cut grpo-groups' queue to one request
+        # a step, so its forecast admitted one sample a step, each step a prefill (33 against 13 ms, H100).
         headroom = self.max_cap - len(self.running)
         limit = self.batch_policy.waiting_limit()
-        free_tokens = state.kv_capacity_blocks * state.block_size - int(running[:, 0].sum())
+        free_tokens = (1.0 - self.kv_cache_manager.usage) * state.kv_capacity_blocks * state.block_size
+        held_groups = set(running[:, 3].tolist())
         waiting = []
         for request in itertools.islice(iter(self.waiting), headroom if limit is None else min(headroom, limit)):
             waiting.append(request)
-            free_tokens -= request.num_tokens
+            group, shared = self._request_group.get(request.request_id, unshared)
+            free_tokens -= request.num_tokens - (shared if group in held_groups else 0)
+            if group >= 0:
+                held_groups.add(group)
             if free_tokens < 0:
                 break
         for side, table in (("running", running), ("waiting", columns(waiting))):

@@ -179,20 +179,46 @@ def test_predicted_long_requests_admit_fewer():
     assert shorter > plain > longer > 0
 
 
-def test_forecast_skips_the_request_pass_while_nothing_changed():
-    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
-    for n in (100, 120, 140):
-        policy.observe_finished(16, n)
-    full = StepState(num_running=4, num_waiting=10, kv_capacity_blocks=30, block_size=16)
-    assert policy.wants_requests(full)
-    full.running_tokens, full.running_generated = np.full(4, 116), np.full(4, 100)
-    full.waiting_tokens, full.waiting_generated = np.full(10, 16), np.zeros(10, dtype=np.int64)
-    assert policy.batch_cap(full) == 4  # 480 tokens of cache, four requests heading for ~130 tokens each
-    bare = StepState(num_running=4, num_waiting=10, kv_capacity_blocks=30, block_size=16)
-    assert not policy.wants_requests(bare)  # demand only grew since: still nothing to admit
-    assert policy.batch_cap(bare) == 4
+def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(monkeypatch):
+    import rollout.policy.forecast as forecast_module
+
+    def step(running: int, described: bool = False) -> StepState:
+        state = StepState(num_running=running, num_waiting=10, kv_capacity_blocks=30, block_size=16)
+        if described:
+            state.running_tokens, state.running_generated = np.full(running, 116), np.full(running, 100)
+            state.waiting_tokens, state.waiting_generated = np.full(10, 16), np.zeros(10, dtype=np.int64)
+        return state
+
+    def forecast(policy: ForecastPolicy, running: int) -> int:
+        assert policy.wants_requests(step(running))
+        return policy.batch_cap(step(running, described=True))
+
+    def fresh() -> ForecastPolicy:
+        policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+        for n in (100, 120, 140):
+            policy.observe_finished(16, n)
+        assert forecast(policy, 4) == 4  # 480 tokens of cache, four requests heading for ~130 tokens each
+        assert not policy.wants_requests(step(4))  # nothing changed: the answer is still 0
+        assert policy.batch_cap(step(4)) == 4
+        return policy
+
+    # While few lengths are known, each finish moves the estimate: any finish calls for a forecast.
+    policy = fresh()
     policy.observe_finished(16, 130)
-    assert policy.wants_requests(StepState(num_running=3, num_waiting=10, kv_capacity_blocks=30, block_size=16))
+    assert policy.wants_requests(step(3))
+    # Once the estimate is stable, only finishes that free what the first waiting request lacked.
+    monkeypatch.setattr(forecast_module, "STABLE_COUNT", 0)
+    policy = fresh()
+    lacking = policy.shortfall_tokens
+    assert lacking > 16 + 130  # the first waiting request overshoots by more than one finish frees
+    policy.observe_finished(16, 130)
+    assert not policy.wants_requests(step(3))
+    policy.observe_finished(16, 130)
+    policy.observe_finished(16, 130)
+    assert policy.freed_tokens > lacking and policy.wants_requests(step(1))
+    # A request that leaves without finishing (preempted) frees memory the policy was not told of.
+    forecast(policy, 4)
+    assert not policy.wants_requests(step(4)) and policy.wants_requests(step(3))
 
 
 def test_a_new_pass_keeps_earlier_lengths_at_a_low_weight_or_takes_the_drivers_prior():
@@ -268,7 +294,7 @@ def test_the_forecast_reports_its_margin_as_the_safety_buffer():
                       running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
                       waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64))
     policy.batch_cap(state)
-    admit, margin = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
+    admit, margin, _ = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
                                                state.waiting_generated, policy.lengths, 60 * 16, 16, policy.theta,
                                                with_margin=True)
     assert 0 < admit < 20 and admit == policy.admitted_last
@@ -315,9 +341,11 @@ def test_forecasting_the_queue_a_prefix_at_a_time_gives_the_whole_queues_answer(
     windowed = [expected_demand_admissions(*case, with_margin=True) for case in cases]
     monkeypatch.setattr(forecast, "FIRST_WINDOW", 10_000)  # the whole queue at once
     whole = [expected_demand_admissions(*case, with_margin=True) for case in cases]
-    assert [admit for admit, _ in windowed] == [admit for admit, _ in whole]
-    np.testing.assert_allclose([margin for _, margin in windowed], [margin for _, margin in whole], rtol=1e-9)
-    admits = [admit for admit, _ in whole]
+    assert [a.count for a in windowed] == [a.count for a in whole]
+    np.testing.assert_allclose([a.margin_tokens for a in windowed], [a.margin_tokens for a in whole], rtol=1e-9)
+    np.testing.assert_allclose([a.shortfall_tokens for a in windowed], [a.shortfall_tokens for a in whole],
+                               rtol=1e-9)
+    admits = [a.count for a in whole]
     assert min(admits) < 16 and max(admits) > 64  # within the first window, and past the second
 
 

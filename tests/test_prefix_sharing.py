@@ -113,3 +113,34 @@ def test_the_adapter_reports_prompt_blocks_shared_by_a_groups_samples(tiny_model
     seen = [s["shared_prompt_tokens"] for s in result.trace if s.get("shared_prompt_tokens")]
     assert seen and all(n % prompt_blocks == 0 for n in seen) and max(seen) >= 3 * prompt_blocks
     assert result.summary["generated_tokens"] == 12 * 4 * 24
+
+
+@pytest.mark.engine
+def test_the_forecast_admits_a_whole_group_while_other_groups_run(tiny_model, tmp_path):
+    """The queue the adapter describes counts a running group's prompt blocks once. Counted per sample, two
+    running groups of 6-block prompts already 'filled' this 64-block cache, the policy saw one waiting
+    request a step and admitted one sample a step (on an H100: a prefill step each, 2.5x a decode step)."""
+    from omegaconf import OmegaConf
+
+    from rollout.config import RunConfig, validate
+    from rollout.data import Prompt
+    from rollout.engine import RolloutEngine
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "model": {"path": str(tiny_model), "dtype": "float32", "num_gpu_blocks_override": 64,
+                  "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024},
+        "data": {"source": "synthetic"}, "sampling": {"n": 8, "max_tokens": 64, "ignore_eos": True},
+        "policy": {"name": "forecast", "b_max": 64}, "output": {"stats_in": None}}))
+    validate(cfg)
+    rng = np.random.default_rng(2)
+    # 768-token prompts: 6 full blocks of 128 (the CPU block size), held once for a group's 8 samples; groups
+    # of different output lengths finish at different steps, while others run.
+    prompts = [Prompt(prompt_id=f"p{i}", text="", token_ids=rng.integers(10, 900, 768).tolist()) for i in range(10)]
+    lengths = [8, 48, 16, 40, 24, 56, 8, 32, 16, 40]
+    with RolloutEngine(cfg, tmp_path) as engine:
+        result = engine.generate(prompts, progress=False, max_tokens=lengths)
+    assert engine.header["block_size"] == 128
+    waves = [s["forecast_admitted"] for s in result.trace
+             if s.get("waiting") and s.get("running", 0) >= 16 and s.get("forecast_admitted")]
+    assert waves and max(waves) >= 4, waves
+    assert result.summary["generated_tokens"] == 8 * sum(lengths)

@@ -12,6 +12,8 @@ tokens weighted by the probability it is still running then) plus theta standard
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS
@@ -22,6 +24,7 @@ from rollout.policy.policies import MemoryPolicy, StepState
 MAX_POINTS = 48
 FIRST_WINDOW = 16  # waiting requests forecast first (most steps admit fewer)
 WAITING_LIMIT = 256  # waiting requests described to the policy each step (at least)
+STABLE_COUNT = 512  # finished lengths after which one more finish barely moves the estimate
 
 
 def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.ndarray,
@@ -193,6 +196,12 @@ def shared_prompt_holding(alive: np.ndarray, groups: Groups, shared: np.ndarray)
     return shared[:, None] * none_before
 
 
+class Admission(NamedTuple):
+    count: int  # waiting requests admitted (a prefix of the queue)
+    margin_tokens: float  # kept free against uncertainty where the admitted demand comes closest to the cache
+    shortfall_tokens: float  # how far the first request not admitted would overshoot the cache (0: all fit)
+
+
 def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np.ndarray,
                                waiting_tokens: np.ndarray, waiting_generated: np.ndarray,
                                lengths: CensoredLengths, capacity_tokens: float, block_size: int,
@@ -204,9 +213,10 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     tokens), the expected KV demand of running and admitted requests plus theta standard deviations stays
     within the cache. A request holding c tokens demands c + t (plus a partly used block) at t steps ahead if it
     is still running then, with the probability `survival_after` gives. With groups and shared prompt tokens
-    (prefix caching), a group's shared prompt blocks count once, while any member runs. `with_margin`: also
-    return the tokens kept free against uncertainty (theta standard deviations) where the admitted demand comes
-    closest to the cache: the forecast's counterpart of Algorithm 1's safety buffer."""
+    (prefix caching), a group's shared prompt blocks count once, while any member runs. `with_margin`: return
+    an `Admission`, which adds the tokens kept free against uncertainty (theta standard deviations) where the
+    admitted demand comes closest to the cache (the forecast's counterpart of Algorithm 1's safety buffer), and
+    by how many tokens the first request not admitted overshoots it."""
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
     sharing = running_shared is not None and waiting_shared is not None
     own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
@@ -252,11 +262,12 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
             var = var + 2.0 * groups.earlier_sum(sd) * sd
         return mean, var
 
-    def result(admit: int, demand_mean: np.ndarray, demand_var: np.ndarray):
+    def result(admit: int, demand_mean: np.ndarray, demand_var: np.ndarray, peak: float = 0.0):
         if not with_margin:
             return admit
         closest = int(np.argmax(demand_mean + theta * np.sqrt(demand_var))) if len(demand_mean) else 0
-        return admit, float(theta * np.sqrt(demand_var[closest])) if len(demand_var) else 0.0
+        return Admission(admit, float(theta * np.sqrt(demand_var[closest])) if len(demand_var) else 0.0,
+                         max(peak - capacity_tokens, 0.0))
 
     # Most steps admit a few requests or none: forecast a short prefix of the queue first, longer ones only
     # while all of it fits (a row's demand does not depend on later rows, so the answer is the same).
@@ -265,18 +276,21 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         considered = min(window, len(waiting_tokens))
         mean, var = demand(n + considered)
         base_mean, base_var = mean[:n].sum(axis=0), var[:n].sum(axis=0)
-        if base_mean.max(initial=0.0) + theta * np.sqrt(base_var.max(initial=0.0)) > capacity_tokens:
-            return result(0, base_mean, base_var)
+        base_peak = base_mean.max(initial=0.0) + theta * np.sqrt(base_var.max(initial=0.0))
+        if base_peak > capacity_tokens:
+            return result(0, base_mean, base_var, base_peak)
         total_mean = base_mean[None, :] + np.cumsum(mean[n:], axis=0)
         total_var = base_var[None, :] + np.cumsum(var[n:], axis=0)
-        fits = np.all(total_mean + theta * np.sqrt(total_var) <= capacity_tokens, axis=1)
+        upper = total_mean + theta * np.sqrt(total_var)
+        fits = np.all(upper <= capacity_tokens, axis=1)
         admit = int(np.argmin(fits)) if not fits.all() else len(fits)  # demand grows with m: the first misfit ends it
         if admit < considered or considered == len(waiting_tokens):
             break
         window *= 4
+    peak = float(upper[admit].max(initial=0.0)) if admit < considered else 0.0  # the first request left out
     if admit == 0:
-        return result(0, base_mean, base_var)
-    return result(admit, total_mean[admit - 1], total_var[admit - 1])
+        return result(0, base_mean, base_var, peak)
+    return result(admit, total_mean[admit - 1], total_var[admit - 1], peak)
 
 
 class ForecastPolicy(MemoryPolicy):
@@ -313,16 +327,26 @@ class ForecastPolicy(MemoryPolicy):
         self.admitted_last = 0
         self.shared_prompt_tokens = 0
         self.margin_blocks: float | None = None  # kept free against uncertainty at the forecast's closest point
-        self._forecast_at: tuple[int, int] | None = None  # (finished count, running count) of the last forecast
+        # A forecast that admitted nothing is not repeated until something changed: before STABLE_COUNT
+        # finishes, any finish; after, finishes that free what its first waiting request lacked. Most steps
+        # of a KV-bound pass admit nothing, and the forecast with the description of every running request
+        # was 3-4% of an H100 step.
+        self.shortfall_tokens = 0.0
+        self.freed_tokens = 0.0
+        self.finished_since_forecast = 0
+        self._running_at_forecast: int | None = None
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
         super().observe_finished(prompt_tokens, output_tokens, length_scale)
         self.lengths.observe(output_tokens / max(length_scale, 1e-6))
+        self.freed_tokens += prompt_tokens + output_tokens  # at most: a group's shared prompt stays while others run
+        self.finished_since_forecast += 1
 
     def start_pass(self, prior: np.ndarray | None = None) -> None:
         """A new pass. `prior`: the driver's expectation of its lengths, in the units the requests' scales
         define (the previous pass's lengths of the same prompts divided by their new scales); it replaces what
         was observed before, at weight `carry_over` each. Without one, earlier lengths are kept at that weight."""
+        self._running_at_forecast = None
         if prior is None:
             self.lengths.forget(self.carry_over)
             return
@@ -365,10 +389,18 @@ class ForecastPolicy(MemoryPolicy):
         return blended
 
     def wants_requests(self, state: StepState) -> bool:
-        # After a forecast that admitted nothing, demand only grows until a request finishes or leaves:
-        # the answer stays 0 and the pass over requests is skipped.
-        return self._forecasting(state) and not (
-            self.admitted_last == 0 and self._forecast_at == (self.lengths.count, state.num_running))
+        if not self._forecasting(state):
+            return False
+        if self.admitted_last or self._running_at_forecast is None:
+            return True
+        # Running requests that left other than by finishing (preemption) free memory not counted in freed_tokens.
+        if state.num_running + self.finished_since_forecast != self._running_at_forecast:
+            return True
+        if self.lengths.count < STABLE_COUNT:
+            # Each finish still moves the estimate itself, by more than the memory it frees (long-cot in the
+            # simulator lost 3% waiting for the freed tokens alone): any finish calls for a new forecast.
+            return self.finished_since_forecast > 0
+        return self.freed_tokens > self.shortfall_tokens
 
     def waiting_limit(self) -> int | None:
         # Describing the whole queue costs a pass over it each step. Once forecasting, admissions come in waves
@@ -385,14 +417,15 @@ class ForecastPolicy(MemoryPolicy):
         if state.running_generated is None:  # skipped: see wants_requests
             self.cap = clamp_cap(state.num_running, state.num_running, self.min_cap, self.max_cap)
             return self.cap
-        admit, margin_tokens = expected_demand_admissions(
+        admit, margin_tokens, self.shortfall_tokens = expected_demand_admissions(
             state.running_tokens, state.running_generated, state.waiting_tokens, state.waiting_generated,
             self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size, self.theta,
             state.running_scale, state.waiting_scale, state.running_group, state.waiting_group,
             state.running_shared, state.waiting_shared, with_margin=True)
         self.margin_blocks = margin_tokens / state.block_size
         self.admitted_last = admit
-        self._forecast_at = (self.lengths.count, state.num_running)
+        self._running_at_forecast = state.num_running
+        self.freed_tokens, self.finished_since_forecast = 0.0, 0
         if state.running_shared is not None:  # prompt tokens running samples would hold again without sharing
             _, holder = np.unique(state.running_group, return_index=True)
             self.shared_prompt_tokens = int(state.running_shared.sum() - state.running_shared[holder].sum())

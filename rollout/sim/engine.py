@@ -174,7 +174,9 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         decode = sum(1 for r, _ in scheduled if r.decoding)
         prefill = sum(n for r, n in scheduled if not r.decoding)
         kv_read = sum(r.computed for r, _ in scheduled)
-        clock += step_time(decode, kv_read, prefill)
+        duration = step_time(decode, kv_read, prefill)
+        clock += duration
+        policy.observe_step(duration, decode, prefill)
         steps += 1
         for r, n in scheduled:
             was_prefill = r.computed < r.target
