@@ -102,6 +102,8 @@ class PolicyConfig:
     forecast_carry_over: float = 0.05
     forecast_cold_start: str = "gamma"  # gamma | memory
     forecast_cold_start_shape: float = 3.0
+    # Narrow the forecast's margin while nothing is preempted and admissions wait, widen it on preemption.
+    forecast_margin_feedback: bool = False
     # Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go
     # first (the driver's per-prompt memory, saved beside the length statistics as prompt_lengths.json;
     # unseen prompts rank at the mean), and each request carries its predicted relative length to the

@@ -249,6 +249,7 @@ class _DynamicBatchMixin:
 
     def _preempt_request(self, request, *args, **kwargs):
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again
+        self.batch_policy.observe_preempted(request.num_computed_tokens)
         return super()._preempt_request(request, *args, **kwargs)
 
     def update_from_output(self, scheduler_output, *args, **kwargs):

@@ -357,3 +357,30 @@ def test_the_policy_describes_a_limited_head_of_the_queue_once_forecasting():
     assert policy.waiting_limit() == 256
     policy.admitted_last = 200
     assert policy.waiting_limit() == 400  # a limit that all fitted grows
+
+
+def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_while_unused():
+    import rollout.policy.forecast as forecast_module
+
+    def state() -> StepState:
+        return StepState(num_running=4, num_waiting=10, kv_capacity_blocks=30, block_size=16,
+                         running_tokens=np.full(4, 116), running_generated=np.full(4, 100),
+                         waiting_tokens=np.full(10, 16), waiting_generated=np.zeros(10, dtype=np.int64))
+
+    fixed = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2, margin_feedback=True)
+    for p in (fixed, policy):
+        for n in (100, 120, 140):
+            p.observe_finished(16, n)
+    fixed.batch_cap(state())
+    policy.observe_preempted(200)
+    policy.batch_cap(state())
+    assert policy.margin_scale == forecast_module.MARGIN_WIDEN
+    assert policy.margin_blocks > fixed.margin_blocks  # the margin the forecast keeps free widened
+    assert policy.trace_fields()["margin_scale"] == forecast_module.MARGIN_WIDEN
+    for _ in range(2000):  # forecasts that admit nothing, with nothing preempted: the margin sits unused
+        policy.batch_cap(state())
+    assert policy.admitted_last == 0 and policy.margin_scale == forecast_module.MARGIN_SCALE_MIN
+    assert policy.margin_blocks < fixed.margin_blocks
+    assert "margin_scale" not in fixed.trace_fields()  # off by default: the simulator found no gain
+

@@ -39,6 +39,25 @@ def test_tight_cache_preempts_and_ample_cache_does_not():
     assert ample.makespan_s < tight.makespan_s
 
 
+def test_the_policy_hears_of_every_preemption_and_step():
+    class Listening(type(make_policy({"name": "static", "b_max": 256}))):
+        preempted, recomputed, steps = 0, 0, []
+
+        def observe_preempted(self, computed_tokens):
+            self.preempted += 1
+            self.recomputed += computed_tokens
+
+        def observe_step(self, latency_s, decode_requests, prefill_tokens):
+            self.steps.append((latency_s, decode_requests, prefill_tokens))
+
+    policy = Listening(256, 256)
+    result = simulate(workload(), policy, kv_capacity_blocks=300, block_size=16, max_num_seqs=256,
+                      token_budget=4096, step_time=MODEL)
+    assert policy.preempted == result.preemptions > 0 and policy.recomputed == result.recomputed_tokens
+    assert len(policy.steps) == result.steps
+    assert sum(latency for latency, _, _ in policy.steps) == pytest.approx(result.makespan_s)
+
+
 def test_a_request_longer_than_the_cache_alone_still_finishes():
     result = simulate([(40, 500)], make_policy({"name": "static", "b_max": 4}), kv_capacity_blocks=100,
                       block_size=16, max_num_seqs=4, token_budget=512, step_time=MODEL)

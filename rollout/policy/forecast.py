@@ -24,6 +24,9 @@ from rollout.policy.policies import MemoryPolicy, StepState
 MAX_POINTS = 48
 FIRST_WINDOW = 16  # waiting requests forecast first (most steps admit fewer)
 WAITING_LIMIT = 256  # waiting requests described to the policy each step (at least)
+MARGIN_WIDEN, MARGIN_NARROW = 2.0, 0.99  # preemption feedback: theta's scale per step that preempted / quiet forecast
+MARGIN_SCALE_MIN, MARGIN_SCALE_MAX = 0.5, 2.0
+MARGIN_QUIET_FORECASTS = 32  # forecasts without a preemption before the margin narrows
 STABLE_COUNT = 512  # finished lengths after which one more finish barely moves the estimate
 
 
@@ -304,7 +307,7 @@ class ForecastPolicy(MemoryPolicy):
 
     def __init__(self, *args, bin_tokens: int = 16, tail: str = "lognormal", carry_over: float = 0.05,
                  forecast_after: int = 32, cold_start: str = "gamma", cold_start_shape: float = 3.0,
-                 **kwargs) -> None:
+                 margin_feedback: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Fewer finished lengths than this leave the tail too uncertain, and they are the short ones: forecasting
         # from them alone over-admits (in the simulator, 8 instead of 32 preempted 2-4% of the tokens of the
@@ -335,12 +338,33 @@ class ForecastPolicy(MemoryPolicy):
         self.freed_tokens = 0.0
         self.finished_since_forecast = 0
         self._running_at_forecast: int | None = None
+        # Preemption feedback: theta is scaled down while forecasts admit nothing and nothing was preempted
+        # for a while (the margin sits unused), and up at each step that preempted.
+        self.margin_feedback = margin_feedback
+        self.margin_scale = 1.0
+        self.preempted_since_forecast = 0
+        self.quiet_forecasts = 0  # forecasts since the last preemption
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
         super().observe_finished(prompt_tokens, output_tokens, length_scale)
         self.lengths.observe(output_tokens / max(length_scale, 1e-6))
         self.freed_tokens += prompt_tokens + output_tokens  # at most: a group's shared prompt stays while others run
         self.finished_since_forecast += 1
+
+    def observe_preempted(self, computed_tokens: int) -> None:
+        self.preempted_since_forecast += 1
+
+    def _adjust_margin(self) -> None:
+        """Before a forecast: wider after a preemption, narrower after many quiet forecasts of which the last
+        admitted nothing (requests waited while the margin stayed free)."""
+        if self.preempted_since_forecast:
+            self.margin_scale = min(self.margin_scale * MARGIN_WIDEN, MARGIN_SCALE_MAX)
+            self.quiet_forecasts = 0
+        else:
+            self.quiet_forecasts += 1
+            if self.admitted_last == 0 and self.quiet_forecasts > MARGIN_QUIET_FORECASTS:
+                self.margin_scale = max(self.margin_scale * MARGIN_NARROW, MARGIN_SCALE_MIN)
+        self.preempted_since_forecast = 0
 
     def start_pass(self, prior: np.ndarray | None = None) -> None:
         """A new pass. `prior`: the driver's expectation of its lengths, in the units the requests' scales
@@ -417,9 +441,12 @@ class ForecastPolicy(MemoryPolicy):
         if state.running_generated is None:  # skipped: see wants_requests
             self.cap = clamp_cap(state.num_running, state.num_running, self.min_cap, self.max_cap)
             return self.cap
+        if self.margin_feedback:
+            self._adjust_margin()
         admit, margin_tokens, self.shortfall_tokens = expected_demand_admissions(
             state.running_tokens, state.running_generated, state.waiting_tokens, state.waiting_generated,
-            self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size, self.theta,
+            self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size,
+            self.theta * self.margin_scale,
             state.running_scale, state.waiting_scale, state.running_group, state.waiting_group,
             state.running_shared, state.waiting_shared, with_margin=True)
         self.margin_blocks = margin_tokens / state.block_size
@@ -436,6 +463,8 @@ class ForecastPolicy(MemoryPolicy):
     def trace_fields(self) -> dict:
         fields = super().trace_fields()
         fields["forecast_admitted"] = self.admitted_last
+        if self.margin_feedback:
+            fields["margin_scale"] = self.margin_scale
         if self.margin_blocks is not None:  # while forecasting, the trace's safety buffer is the forecast's margin
             fields["safety_buffer_blocks"] = self.margin_blocks
         fields["shared_prompt_tokens"] = self.shared_prompt_tokens  # running prompt tokens counted once, not per sample

@@ -85,6 +85,9 @@ class StaticPolicy:
     def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
         """One finished engine step: its latency, how many requests decoded, how many prompt tokens it ran."""
 
+    def observe_preempted(self, computed_tokens: int) -> None:
+        """The engine preempted a running request; its `computed_tokens` will be computed again."""
+
     def token_budget(self, max_step_tokens: int, num_running: int) -> int | None:
         """This step's token budget (chunked prefill), or None to leave vLLM's as configured."""
         return None
@@ -290,6 +293,12 @@ class FallbackPolicy:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 
+    def observe_preempted(self, computed_tokens: int) -> None:
+        try:
+            self.policy.observe_preempted(computed_tokens)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
     def token_budget(self, max_step_tokens: int, num_running: int) -> int | None:
         try:
             return self.policy.token_budget(max_step_tokens, num_running)
@@ -310,6 +319,15 @@ LENGTH_AWARE_POLICIES = ("forecast",)
 # Benchmark references, never defaults: "oracle" reads true lengths from max_tokens; "vllm" runs vLLM's own
 # scheduler untouched (no adapter, vLLM's default max_num_seqs).
 BENCHMARK_POLICIES = ("oracle", "vllm")
+
+
+def _flag(value) -> bool:
+    """A boolean setting, which arrives as text from a benchmark's `name:key=value` scheduler."""
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value.lower() == "true"
+    return bool(value)
 
 
 def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolicy:
@@ -344,5 +362,6 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
         return ForecastPolicy(forecast_after=int(settings.get("forecast_after", 32)),
                               cold_start=str(settings.get("forecast_cold_start", "gamma")),
                               cold_start_shape=float(settings.get("forecast_cold_start_shape", 3.0)),
-                              carry_over=float(settings.get("forecast_carry_over", 0.05)), **memory)
+                              carry_over=float(settings.get("forecast_carry_over", 0.05)),
+                              margin_feedback=_flag(settings.get("forecast_margin_feedback", False)), **memory)
     return POLICIES[name](**memory)

@@ -137,6 +137,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 victim = running.pop()  # vLLM FCFS: the last admitted goes first
                 free += release(victim)
                 recomputed += victim.computed
+                policy.observe_preempted(victim.computed)
                 victim.computed = 0
                 waiting.appendleft(victim)
                 preemptions += 1
