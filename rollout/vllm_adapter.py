@@ -221,8 +221,8 @@ class _DynamicBatchMixin:
         running = columns(self.running)
         # Preempted requests wait at the front; only as many as the cap could still admit (and the policy
         # asks for), and whose tokens would fit in the free blocks (plus one), matter. A group's prompt
-        # blocks are held once: counting them per sample (as this did) cut grpo-groups' queue to one request
-        # a step, so its forecast admitted one sample a step, each step a prefill (33 against 13 ms, H100).
+        # blocks are held once: counted per sample, the cut showed the policy one waiting request a step while
+        # groups ran, and it admitted one sample a step, each step a prefill (33 against 13 ms on an H100).
         headroom = self.max_cap - len(self.running)
         limit = self.batch_policy.waiting_limit()
         free_tokens = (1.0 - self.kv_cache_manager.usage) * state.kv_capacity_blocks * state.block_size

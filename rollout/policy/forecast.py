@@ -339,7 +339,7 @@ class ForecastPolicy(MemoryPolicy):
         self.finished_since_forecast = 0
         self._running_at_forecast: int | None = None
         # Preemption feedback: theta is scaled down while forecasts admit nothing and nothing was preempted
-        # for a while (the margin sits unused), and up at each step that preempted.
+        # for a while (the margin sits unused), and up after a preemption.
         self.margin_feedback = margin_feedback
         self.margin_scale = 1.0
         self.preempted_since_forecast = 0
