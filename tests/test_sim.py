@@ -41,7 +41,9 @@ def test_tight_cache_preempts_and_ample_cache_does_not():
 
 def test_the_policy_hears_of_every_preemption_and_step():
     class Listening(type(make_policy({"name": "static", "b_max": 256}))):
-        preempted, recomputed, steps = 0, 0, []
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.preempted, self.recomputed, self.steps = 0, 0, []
 
         def observe_preempted(self, computed_tokens):
             self.preempted += 1
@@ -160,3 +162,16 @@ def test_the_simulator_ranks_grpo_groups_as_the_gpu_did(capsys):
     measured = out.split("ranking measured: ")[1].splitlines()[0]
     assert measured == "['forecast-lpt', 'forecast', 'vllm']"
     assert out.split("ranking simulated: ")[1].splitlines()[0] == measured
+
+
+def test_scheduler_settings_in_a_name_are_typed_as_on_the_command_line():
+    from rollout.bench import load_bench_config
+    from rollout.sim.runs import scheduler_settings
+
+    bench = load_bench_config(None, [])
+    settings = scheduler_settings(bench, "forecast:forecast_margin_feedback=false:eps_m=0.2:forecast_after=8")
+    assert settings["forecast_margin_feedback"] is False and settings["eps_m"] == 0.2
+    assert settings["forecast_after"] == 8
+    policy = make_policy(scheduler_settings(bench, "forecast:forecast_margin_feedback=false"))
+    assert policy.margin_feedback is False  # the text "false" is not a true value
+    assert make_policy(scheduler_settings(bench, "forecast:forecast_margin_feedback=true")).margin_feedback

@@ -321,15 +321,6 @@ LENGTH_AWARE_POLICIES = ("forecast",)
 BENCHMARK_POLICIES = ("oracle", "vllm")
 
 
-def _flag(value) -> bool:
-    """A boolean setting, which arrives as text from a benchmark's `name:key=value` scheduler."""
-    if isinstance(value, str):
-        if value.lower() not in ("true", "false"):
-            raise ValueError(f"expected true or false, got {value!r}")
-        return value.lower() == "true"
-    return bool(value)
-
-
 def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolicy:
     """Build a policy from the plain dict form of `PolicyConfig` (what travels in vLLM's additional_config)."""
     name = settings["name"]
@@ -363,5 +354,5 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
                               cold_start=str(settings.get("forecast_cold_start", "gamma")),
                               cold_start_shape=float(settings.get("forecast_cold_start_shape", 3.0)),
                               carry_over=float(settings.get("forecast_carry_over", 0.05)),
-                              margin_feedback=_flag(settings.get("forecast_margin_feedback", False)), **memory)
+                              margin_feedback=bool(settings.get("forecast_margin_feedback", False)), **memory)
     return POLICIES[name](**memory)

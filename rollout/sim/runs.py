@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from rollout.bench import BenchConfig, scheduler_policy
 from rollout.policy import make_policy
@@ -31,10 +32,11 @@ class ProfileRun:
 
 
 def scheduler_settings(bench: BenchConfig, name: str) -> dict:
-    """A bench scheduler name, optionally with policy settings: `forecast:forecast_after=8:eps_m=0.1`."""
+    """A bench scheduler name, optionally with policy settings: `forecast:forecast_after=8:eps_m=0.1`. Values
+    are typed as on the command line (`true` is a boolean, `8` an int)."""
     base, *options = name.split(":")
     settings = scheduler_policy(bench, f"static-{VLLM_DEFAULT_MAX_NUM_SEQS}" if base == "vllm" else base)
-    settings.update(option.split("=", 1) for option in options)
+    settings.update(OmegaConf.to_container(OmegaConf.from_dotlist(options)))
     return settings
 
 
