@@ -72,9 +72,12 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
             raise ConfigError(f"only: no profile named {sorted(unknown)}")
         bench.profiles = [p for p in bench.profiles if p.name in bench.only]
     for name in bench.schedulers:
-        if name not in ("vllm", "memory", "memory-clt", "forecast", "forecast-lpt", "oracle", "oracle-fcfs") and not (
-                name.startswith("static-") and name[7:].isdigit()):
+        base, *options = name.split(":")
+        if base not in ("vllm", "memory", "memory-clt", "forecast", "forecast-lpt", "oracle", "oracle-fcfs") and not (
+                base.startswith("static-") and base[7:].isdigit()):
             raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, forecast, forecast-lpt, oracle, oracle-fcfs)")
+        if any("=" not in option for option in options):
+            raise ConfigError(f"schedulers: {name!r}: settings after the name are key=value, separated by ':'")
     return bench
 
 
@@ -89,14 +92,19 @@ def benchmark_model(model: str, work: Path, vocab_size: int) -> str:
 
 def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
     """The policy settings a scheduler name stands for ("static-N": a fixed cap N that is also max_num_seqs).
-    Submission is in the workload's order except for forecast-lpt."""
-    if scheduler.startswith("static-"):
-        return {"name": "static", "b_max": int(scheduler[7:]), "order": "fifo"}
-    if scheduler == "oracle-fcfs":  # the oracle's admission in submission order: its gain without the order
-        return {"name": "oracle", "b_max": bench.b_max, "eps_m": bench.eps_m, "order": "fifo"}
-    if scheduler == "forecast-lpt":  # forecast, prompts longest-predicted first from earlier iterations
-        return {"name": "forecast", "order": "longest_first", "b_max": bench.b_max, "eps_m": bench.eps_m}
-    return {"name": scheduler, "b_max": bench.b_max, "eps_m": bench.eps_m, "order": "fifo"}
+    Submission is in the workload's order except for forecast-lpt. A name may carry policy settings,
+    typed as on the command line: `forecast:forecast_siblings=true:eps_m=0.1`."""
+    base, *options = scheduler.split(":")
+    if base.startswith("static-"):
+        settings = {"name": "static", "b_max": int(base[7:]), "order": "fifo"}
+    elif base == "oracle-fcfs":  # the oracle's admission in submission order: its gain without the order
+        settings = {"name": "oracle", "b_max": bench.b_max, "eps_m": bench.eps_m, "order": "fifo"}
+    elif base == "forecast-lpt":  # forecast, prompts longest-predicted first from earlier iterations
+        settings = {"name": "forecast", "order": "longest_first", "b_max": bench.b_max, "eps_m": bench.eps_m}
+    else:
+        settings = {"name": base, "b_max": bench.b_max, "eps_m": bench.eps_m, "order": "fifo"}
+    settings.update(OmegaConf.to_container(OmegaConf.from_dotlist(options)))
+    return settings
 
 
 def run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: str) -> RunConfig:
@@ -135,7 +143,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     with RolloutEngine(cfg, workdir) as engine:
         for iteration in range(profile.iterations):
             requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
-            if scheduler == "oracle":  # longest first keeps the cache full while the long ones run
+            if scheduler.split(":")[0] == "oracle":  # longest first keeps the cache full while the long ones run
                 requests = sorted(requests, key=lambda r: -r.output_tokens)
             lengths = [r.output_tokens for r in requests]
             result = engine.generate([r.prompt for r in requests], progress=False, max_tokens=lengths)

@@ -124,11 +124,11 @@ class _DynamicBatchMixin:
         self._pending_prompt_tokens -= request.num_prompt_tokens
         self._pending_max_tokens -= request.max_tokens
         self._finished += 1
-        self._request_group.pop(request.request_id, None)
+        group, _ = self._request_group.pop(request.request_id, (-1, 0))
         if self._pending == 0:
             self._groups.clear()
         self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens,
-                                           length_scale(request))
+                                           length_scale(request), group)
         return super()._free_request(request, *args, **kwargs)
 
     def schedule(self, *args, **kwargs):

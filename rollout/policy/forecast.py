@@ -134,19 +134,156 @@ class CensoredLengths:
         return np.maximum(mean_len - generated, 1.0), np.maximum(var_len, 0.0)
 
 
-def _alive(bins: np.ndarray, reach: np.ndarray, ahead_bins: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
-    """P(still running `ahead_bins` bins of output later | has reached `bins`), one row per request. A request
-    with scale s runs s times as long as the (normalised) estimate: a step of t real tokens is t / s there."""
-    last = len(reach) - 1  # reach ends with 0: past the end, nobody runs
+class Informed(NamedTuple):
+    """Rows whose estimate their group's finished samples informed (SiblingLengths): in log length relative to
+    the row's scale, the estimate's quantiles move by `offset` and narrow by `spread` about `pivot`."""
+
+    offset: np.ndarray  # per row (running, then waiting): 0 where nothing was learned
+    spread: np.ndarray  # per row: 1 where nothing was learned
+    pivot: float  # log tokens, relative to scale: the pass's log-mean length
+
+
+class SiblingLengths:
+    """Within a pass, what a group's finished samples say of its running ones: the n samples of one prompt run
+    about as long as each other. In log output length relative to a request's predicted scale,
+    x = mu + offset_g + noise, with offset_g ~ N(0, between) across groups and noise ~ N(0, within). A group's
+    offset is its posterior mode given its finished samples (exact) and its running ones (censored: longer than
+    what they generated so far, so the first, short finishers do not pull the group down alone). mu and the
+    total spread come from a censored fit over the pass; the within-group spread from the previous pass's
+    groups (complete by then), or half the total in a first pass (the simulator's grpo-groups, whose groups
+    hold 16% of the spread, preempted 1.6% of its tokens with the true share in its first pass)."""
+
+    # Finished samples (any group) before offsets are estimated: with 16 or 32, a pass's first fit (short
+    # finishers, many censored) over-narrowed, and 48-group passes in the simulator recomputed 2-6% of tokens.
+    MIN_FINISHED = 64
+    NEWTON_STEPS = 6
+
+    def __init__(self) -> None:
+        self.within_var: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        # Per group id (ids are small integers, a pass's groups in arrival order): finished samples, and the
+        # sum and sum of squares of their log(length / scale).
+        self.count, self.total, self.sum_squares = np.zeros(64), np.zeros(64), np.zeros(64)
+        self.values: list[float] = []
+        self._fit: tuple[int, float, float] | None = None  # (finished when fitted, mu, total sd)
+
+    def start_pass(self) -> None:
+        multi = self.count >= 2  # at a pass's end every group is complete: an unbiased within-group spread
+        if np.count_nonzero(multi) >= 8:
+            deviation = self.sum_squares[multi] - self.total[multi] ** 2 / self.count[multi]
+            self.within_var = float(deviation.sum() / (self.count[multi] - 1).sum())
+        self._reset()
+
+    def observe(self, group: int, output_tokens: float, scale: float) -> None:
+        if group < 0:
+            return
+        if group >= len(self.count):
+            grow = max(group + 1, 2 * len(self.count)) - len(self.count)
+            self.count, self.total, self.sum_squares = (np.pad(a, (0, grow)) for a in
+                                                        (self.count, self.total, self.sum_squares))
+        x = float(np.log(max(output_tokens, 1.0) / scale))
+        self.count[group] += 1
+        self.total[group] += x
+        self.sum_squares[group] += x * x
+        self.values.append(x)
+
+    def informed(self, groups: np.ndarray, generated: np.ndarray, scale: np.ndarray, running: int) -> Informed | None:
+        """What each row's group says of it (offset 0, spread 1 where no sibling finished), or None while
+        nothing is known. Rows: requests with `groups`, output so far `generated` and predicted `scale`; the
+        first `running` are running (their output so far is censored evidence), the rest wait."""
+        from scipy import special
+
+        if len(self.values) < self.MIN_FINISHED or not len(groups):
+            return None
+        groups = np.asarray(groups)
+        in_range = (groups >= 0) & (groups < len(self.count))
+        known = in_range.copy()
+        known[in_range] = self.count[groups[in_range]] > 0
+        if not known.any():  # no running or waiting request has a finished sibling (groups of one)
+            return None
+        censored = np.log(np.maximum(generated[:running], 1.0) / scale[:running])
+        if self._fit is None or len(self.values) >= 1.25 * self._fit[0]:
+            values = np.asarray(self.values)
+            mu, sd = censored_normal_fit(values, np.ones(len(values)), censored, np.ones(len(censored)))
+            self._fit = (len(values), mu, max(sd, 1e-3))
+        _, mu, sd = self._fit
+        within = min(self.within_var if self.within_var is not None else sd ** 2 / 2, sd ** 2)
+        between = max(sd ** 2 - within, 1e-4)
+        used, index = np.unique(groups[known], return_inverse=True)
+        count, total = self.count[used], self.total[used]
+        running_known = known[:running]
+        index_running, points = index[:np.count_nonzero(running_known)], censored[running_known]
+        within_sd = np.sqrt(within)
+        # Normal-normal posterior from the finished samples, then Newton steps on the censored likelihood (concave).
+        offset = (total - count * mu) / (count + within / between)
+        for _ in range(self.NEWTON_STEPS):
+            z = (mu + offset[index_running] - points) / within_sd
+            mills = np.exp(-0.5 * z ** 2 - 0.5 * np.log(2 * np.pi) - special.log_ndtr(z))  # phi(z) / Phi(z)
+            grad = (total - count * (mu + offset)) / within - offset / between \
+                + np.bincount(index_running, mills, len(used)) / within_sd
+            hess = -count / within - 1.0 / between - np.bincount(index_running, mills * (z + mills), len(used)) / within
+            offset -= grad / hess
+        # A row of a known group: log length ~ N(mu + offset, within + posterior variance), against the whole
+        # pass's N(mu, sd^2): the estimate's quantiles move by the offset and narrow by the sd ratio.
+        spread = np.sqrt(np.minimum((within - 1.0 / hess) / sd ** 2, 1.0))
+        row_offset, row_spread = np.zeros(len(groups)), np.ones(len(groups))
+        row_offset[known], row_spread[known] = offset[index], spread[index]
+        return Informed(row_offset, row_spread, mu)
+
+
+def _to_estimate(tokens: np.ndarray, scale: np.ndarray | None, informed: Informed | None) -> np.ndarray:
+    """Output lengths of requests (rows) in the estimate's units: divided by their scale, and for rows their
+    siblings informed, mapped by the quantile shift and narrowing `Informed` holds."""
+    tokens = np.asarray(tokens, dtype=float)
     if scale is None:
-        later = reach[np.minimum(bins[:, None] + ahead_bins[None, :], last)]
+        return tokens
+    if tokens.ndim == 2:
+        scale = scale[:, None]
+    base = tokens / scale
+    if informed is not None:
+        offset, spread = (informed.offset, informed.spread) if tokens.ndim == 1 else (
+            informed.offset[:, None], informed.spread[:, None])
+        with np.errstate(divide="ignore"):
+            base = np.exp(informed.pivot + (np.log(base) - informed.pivot - offset) / spread)
+    return base
+
+
+def _alive(bins: np.ndarray, reach: np.ndarray, ahead: np.ndarray) -> np.ndarray:
+    """P(still running `ahead` bins of the estimate later | has reached `bins`), one row per request. `ahead`:
+    whole bins, the same for every row, or one row of fractional bins per request (a request with scale s runs
+    s times as long as the estimate: t real tokens are t / s there)."""
+    last = len(reach) - 1  # reach ends with 0: past the end, nobody runs
+    if ahead.ndim == 1:
+        later = reach[np.minimum(bins[:, None] + ahead[None, :], last)]
     else:  # linear interpolation between bins (np.interp's binary search per point is several times slower)
-        position = np.minimum(bins[:, None] + ahead_bins[None, :] / np.asarray(scale, dtype=float)[:, None], last)
+        position = np.minimum(bins[:, None] + ahead, last)
         below = position.astype(np.int64)
         above = reach[np.minimum(below + 1, last)]
         later = above + (reach[below] - above) * (below + 1 - position)
     now = reach[bins][:, None]
-    return np.divide(later, now, out=(ahead_bins[None, :] == 0).repeat(len(bins), 0).astype(float), where=now > 0)
+    out = np.zeros(later.shape)
+    out[:, 0] = 1.0
+    return np.divide(later, now, out=out, where=now > 0)
+
+
+def _ahead(generated: np.ndarray, steps: np.ndarray, bin_tokens: int, scale: np.ndarray | None,
+           informed: Informed | None) -> np.ndarray:
+    """How far each request moves in the estimate's bins while it generates `steps` more tokens."""
+    if scale is None:
+        return steps // bin_tokens
+    ahead = steps[None, :] / (bin_tokens * scale[:, None])
+    if informed is not None:
+        rows = np.flatnonzero((informed.offset != 0) | (informed.spread != 1))
+        start = _to_estimate(generated[rows], scale[rows], _rows(informed, rows))
+        end = _to_estimate(generated[rows, None] + steps[None, :], scale[rows], _rows(informed, rows))
+        ahead[rows] = (end - start[:, None]) / bin_tokens
+    return ahead
+
+
+def _rows(informed: Informed, rows: np.ndarray) -> Informed:
+    return Informed(informed.offset[rows], informed.spread[rows], informed.pivot)
 
 
 def survival_after(lengths: CensoredLengths, generated: np.ndarray, horizon_bins: int, stride: int = 1,
@@ -155,8 +292,10 @@ def survival_after(lengths: CensoredLengths, generated: np.ndarray, horizon_bins
     j = 0..horizon_bins-1, one row per request. `scale`: each request's predicted length relative to the
     average (the estimate is of lengths divided by it)."""
     generated = np.asarray(generated, dtype=float)
-    bins, reach = lengths.reach(generated if scale is None else generated / scale)
-    return _alive(bins, reach, stride * np.arange(horizon_bins), scale)
+    scale = None if scale is None else np.asarray(scale, dtype=float)
+    bins, reach = lengths.reach(_to_estimate(generated, scale, None))
+    steps = stride * np.arange(horizon_bins) * lengths.bin_tokens
+    return _alive(bins, reach, _ahead(generated, steps, lengths.bin_tokens, scale, None))
 
 
 class Groups:
@@ -211,7 +350,8 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
                                theta: float, running_scale: np.ndarray | None = None,
                                waiting_scale: np.ndarray | None = None, running_group: np.ndarray | None = None,
                                waiting_group: np.ndarray | None = None, running_shared: np.ndarray | None = None,
-                               waiting_shared: np.ndarray | None = None, with_margin: bool = False):
+                               waiting_shared: np.ndarray | None = None, informed: Informed | None = None,
+                               with_margin: bool = False):
     """How many waiting requests (a prefix, in queue order) fit: at every future time (in bins of output
     tokens), the expected KV demand of running and admitted requests plus theta standard deviations stays
     within the cache. A request holding c tokens demands c + t (plus a partly used block) at t steps ahead if it
@@ -219,7 +359,8 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     (prefix caching), a group's shared prompt blocks count once, while any member runs. `with_margin`: return
     an `Admission`, which adds the tokens kept free against uncertainty (theta standard deviations) where the
     admitted demand comes closest to the cache (the forecast's counterpart of Algorithm 1's safety buffer), and
-    by how many tokens the first request not admitted overshoots it."""
+    by how many tokens the first request not admitted overshoots it. `informed`: rows (running, then waiting)
+    whose estimate their group's finished samples moved (see SiblingLengths)."""
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
     sharing = running_shared is not None and waiting_shared is not None
     own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
@@ -235,15 +376,22 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         scale = np.concatenate([np.ones(len(running_generated)) if running_scale is None else running_scale,
                                 np.ones(len(waiting_generated)) if waiting_scale is None else
                                 waiting_scale[:fit_now + 1]]).astype(float)
-    bins, reach = lengths.reach(generated if scale is None else generated / scale)
+    if informed is not None:
+        if scale is None:
+            scale = np.ones(len(generated))
+        informed = _rows(informed, np.arange(len(generated)))  # the waiting rows cut above
+    bins, reach = lengths.reach(_to_estimate(generated, scale, informed))
     # Far enough ahead for the longest-predicted request to end, at most ~MAX_POINTS future times checked.
-    span = int(np.ceil(len(reach) * (1.0 if scale is None else max(scale.max(initial=1.0), 1.0)))) + 2
+    longest = 1.0 if scale is None else max(scale.max(initial=1.0), 1.0)
+    if informed is not None:  # the estimate's end in real bins, for the rows mapped by their siblings
+        longest = max(longest, float(np.max(scale * np.exp(informed.pivot + informed.offset + informed.spread * (
+            np.log(len(reach) * lengths.bin_tokens) - informed.pivot)), initial=0.0)) / (len(reach) * lengths.bin_tokens))
+    span = int(np.ceil(len(reach) * longest)) + 2
     stride = -(-span // MAX_POINTS)
     horizon = -(-span // stride) + 1
-    ahead_bins = stride * np.arange(horizon)
-    steps = ahead_bins * lengths.bin_tokens
+    steps = stride * np.arange(horizon) * lengths.bin_tokens
     tokens = np.concatenate([running_tokens, waiting_tokens]).astype(float)
-    alive = _alive(bins, reach, ahead_bins, scale)
+    alive = _alive(bins, reach, _ahead(generated, steps, lengths.bin_tokens, scale, informed))
     if sharing:
         shared = np.concatenate([running_shared, waiting_shared]).astype(float)
         group = np.concatenate([running_group, waiting_group])
@@ -307,7 +455,7 @@ class ForecastPolicy(MemoryPolicy):
 
     def __init__(self, *args, bin_tokens: int = 16, tail: str = "lognormal", carry_over: float = 0.05,
                  forecast_after: int = 32, cold_start: str = "gamma", cold_start_shape: float = 3.0,
-                 margin_feedback: bool = False, **kwargs) -> None:
+                 margin_feedback: bool = False, siblings: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Fewer finished lengths than this leave the tail too uncertain, and they are the short ones: forecasting
         # from them alone over-admits (in the simulator, 8 instead of 32 preempted 2-4% of the tokens of the
@@ -344,9 +492,15 @@ class ForecastPolicy(MemoryPolicy):
         self.margin_scale = 1.0
         self.preempted_since_forecast = 0
         self.quiet_forecasts = 0  # forecasts since the last preemption
+        # Sibling updates: a group's finished samples move the estimate of its others within the pass.
+        self.siblings = SiblingLengths() if siblings else None
+        self.informed_rows = 0  # requests whose estimate their siblings moved, at the last forecast
 
-    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
-        super().observe_finished(prompt_tokens, output_tokens, length_scale)
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
+                         group: int = -1) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale, group)
+        if self.siblings is not None:
+            self.siblings.observe(group, output_tokens, length_scale)
         self.lengths.observe(output_tokens / max(length_scale, 1e-6))
         self.freed_tokens += prompt_tokens + output_tokens  # at most: a group's shared prompt stays while others run
         self.finished_since_forecast += 1
@@ -371,6 +525,8 @@ class ForecastPolicy(MemoryPolicy):
         define (the previous pass's lengths of the same prompts divided by their new scales); it replaces what
         was observed before, at weight `carry_over` each. Without one, earlier lengths are kept at that weight."""
         self._running_at_forecast = None
+        if self.siblings is not None:
+            self.siblings.start_pass()
         if prior is None:
             self.lengths.forget(self.carry_over)
             return
@@ -443,12 +599,21 @@ class ForecastPolicy(MemoryPolicy):
             return self.cap
         if self.margin_feedback:
             self._adjust_margin()
+        informed = None
+        if self.siblings is not None and state.running_group is not None:
+            informed = self.siblings.informed(
+                np.concatenate([state.running_group, state.waiting_group]),
+                np.concatenate([state.running_generated, state.waiting_generated]),
+                np.concatenate([np.ones(state.num_running) if state.running_scale is None else state.running_scale,
+                                np.ones(len(state.waiting_group)) if state.waiting_scale is None
+                                else state.waiting_scale]).astype(float), len(state.running_group))
+            self.informed_rows = 0 if informed is None else int(np.count_nonzero(informed.spread < 1))
         admit, margin_tokens, self.shortfall_tokens = expected_demand_admissions(
             state.running_tokens, state.running_generated, state.waiting_tokens, state.waiting_generated,
             self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size,
             self.theta * self.margin_scale,
             state.running_scale, state.waiting_scale, state.running_group, state.waiting_group,
-            state.running_shared, state.waiting_shared, with_margin=True)
+            state.running_shared, state.waiting_shared, informed=informed, with_margin=True)
         self.margin_blocks = margin_tokens / state.block_size
         self.admitted_last = admit
         self._running_at_forecast = state.num_running
@@ -465,6 +630,8 @@ class ForecastPolicy(MemoryPolicy):
         fields["forecast_admitted"] = self.admitted_last
         if self.margin_feedback:
             fields["margin_scale"] = self.margin_scale
+        if self.siblings is not None:
+            fields["sibling_informed"] = self.informed_rows
         if self.margin_blocks is not None:  # while forecasting, the trace's safety buffer is the forecast's margin
             fields["safety_buffer_blocks"] = self.margin_blocks
         fields["shared_prompt_tokens"] = self.shared_prompt_tokens  # running prompt tokens counted once, not per sample

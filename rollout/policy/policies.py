@@ -77,9 +77,10 @@ class StaticPolicy:
         many as the cap could admit."""
         return None
 
-    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
+                         group: int = -1) -> None:
         """A finished request; `length_scale` is how long its prompt's outputs were predicted to be relative
-        to the average (1: nothing known)."""
+        to the average (1: nothing known); `group`: the group (prompt) of its sibling samples, -1 if none."""
         self.stats.observe(prompt_tokens, output_tokens)
 
     def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
@@ -118,8 +119,9 @@ class MemoryPolicy(StaticPolicy):
         self.mean_demand_blocks = math.nan
         self.std_demand_blocks = math.nan
 
-    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
-        super().observe_finished(prompt_tokens, output_tokens, length_scale)
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
+                         group: int = -1) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale, group)
         self.finished_since_update += 1
 
     def _demand(self, state: StepState) -> tuple[float, float]:
@@ -281,9 +283,10 @@ class FallbackPolicy:
             self._fail(exc)
             return self.policy.batch_cap(state)
 
-    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0) -> None:
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
+                         group: int = -1) -> None:
         try:
-            self.policy.observe_finished(prompt_tokens, output_tokens, length_scale)
+            self.policy.observe_finished(prompt_tokens, output_tokens, length_scale, group)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 
@@ -354,5 +357,6 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
                               cold_start=str(settings.get("forecast_cold_start", "gamma")),
                               cold_start_shape=float(settings.get("forecast_cold_start_shape", 3.0)),
                               carry_over=float(settings.get("forecast_carry_over", 0.05)),
-                              margin_feedback=bool(settings.get("forecast_margin_feedback", False)), **memory)
+                              margin_feedback=bool(settings.get("forecast_margin_feedback", False)),
+                              siblings=bool(settings.get("forecast_siblings", False)), **memory)
     return POLICIES[name](**memory)

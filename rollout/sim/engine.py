@@ -191,7 +191,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 free += release(r)
                 pending_prompt -= r.prompt_tokens
                 pending_max -= r.output_tokens
-                policy.observe_finished(r.prompt_tokens, r.output_tokens, r.length_scale)
+                policy.observe_finished(r.prompt_tokens, r.output_tokens, r.length_scale,
+                                        -1 if r.group is None else r.group)
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
     return SimResult(clock, generated, preemptions, recomputed, steps, trace)

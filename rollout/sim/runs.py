@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from rollout.bench import BenchConfig, scheduler_policy
 from rollout.policy import make_policy
@@ -32,12 +31,12 @@ class ProfileRun:
 
 
 def scheduler_settings(bench: BenchConfig, name: str) -> dict:
-    """A bench scheduler name, optionally with policy settings: `forecast:forecast_after=8:eps_m=0.1`. Values
-    are typed as on the command line (`true` is a boolean, `8` an int)."""
-    base, *options = name.split(":")
-    settings = scheduler_policy(bench, f"static-{VLLM_DEFAULT_MAX_NUM_SEQS}" if base == "vllm" else base)
-    settings.update(OmegaConf.to_container(OmegaConf.from_dotlist(options)))
-    return settings
+    """A bench scheduler name (with its `:key=value` settings, see `scheduler_policy`); `vllm` is a static cap
+    at vLLM's default max_num_seqs."""
+    base, _, options = name.partition(":")
+    if base == "vllm":
+        name = f"static-{VLLM_DEFAULT_MAX_NUM_SEQS}" + (":" + options if options else "")
+    return scheduler_policy(bench, name)
 
 
 def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,

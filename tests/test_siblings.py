@@ -1,0 +1,126 @@
+"""Sibling updates (issue #4): within a pass, a group's finished samples (and its running samples' output so
+far, as censored evidence) move the length estimate of the group's other samples."""
+
+import numpy as np
+import pytest
+
+from rollout.policy import make_policy
+from rollout.policy.forecast import CensoredLengths, Informed, SiblingLengths, expected_demand_admissions
+from rollout.sim import StepTimeModel, simulate
+from rollout.workloads import ProfileConfig, profile_requests
+
+MODEL = StepTimeModel(base=5e-3, per_seq=2e-5, per_kv_token=1e-8, per_prefill_token=2e-5, per_mixed_step=5e-3)
+
+
+def finished_groups(siblings: SiblingLengths, rng, groups: int, per_group: int, between: float, within: float,
+                    mu: float = np.log(200)) -> np.ndarray:
+    offsets = rng.normal(0, np.sqrt(between), groups)
+    for g in range(groups):
+        for x in rng.normal(mu + offsets[g], np.sqrt(within), per_group):
+            siblings.observe(g, np.exp(x), 1.0)
+    return offsets
+
+
+def test_the_within_group_spread_is_measured_when_a_pass_ends():
+    siblings = SiblingLengths()
+    finished_groups(siblings, np.random.default_rng(0), groups=200, per_group=8, between=0.5, within=0.09)
+    assert siblings.within_var is None  # the first pass assumes half the total spread
+    siblings.start_pass()
+    assert siblings.within_var == pytest.approx(0.09, rel=0.1)
+    assert not siblings.values and not siblings.count.any()  # the new pass starts empty
+
+
+def test_finished_siblings_move_their_groups_waiting_samples():
+    rng = np.random.default_rng(1)
+    siblings = SiblingLengths()
+    siblings.within_var = 0.09
+    offsets = finished_groups(siblings, rng, groups=60, per_group=3, between=0.5, within=0.09)
+    groups = np.arange(60)
+    # One waiting sample per group (no censored evidence): its offset follows its group's true one.
+    informed = siblings.informed(np.r_[groups, 99], np.zeros(61), np.ones(61), running=0)
+    assert np.corrcoef(informed.offset[:60], offsets)[0, 1] > 0.9
+    assert informed.offset[60] == 0 and informed.spread[60] == 1  # group 99 has no finished sibling
+    assert np.all(informed.spread[:60] < 0.6)  # three siblings leave within + posterior of a 0.59 total sd
+    # Shrinkage: the offsets are pulled towards 0 from the groups' own means.
+    means = siblings.total[:60] / siblings.count[:60] - informed.pivot
+    assert np.mean(np.abs(informed.offset[:60])) < np.mean(np.abs(means))
+
+
+def test_running_siblings_keep_a_groups_first_short_finisher_from_pulling_it_down():
+    rng = np.random.default_rng(2)
+    siblings = SiblingLengths()
+    finished_groups(siblings, rng, groups=40, per_group=2, between=0.5, within=0.1)
+    siblings.observe(50, 60.0, 1.0)  # group 50: one sample finished short...
+    alone = siblings.informed(np.array([50]), np.zeros(1), np.ones(1), running=0)
+    # ...while its seven others have each generated 400 tokens and run on.
+    running = siblings.informed(np.full(8, 50), np.r_[np.full(7, 400.0), 0.0], np.ones(8), running=7)
+    assert alone.offset[0] < 0 < running.offset[7]
+    assert np.exp(running.pivot + running.offset[7]) > 400
+
+
+def test_no_sibling_no_change_and_what_siblings_say_moves_admissions():
+    rng = np.random.default_rng(3)
+    lengths = CensoredLengths(bin_tokens=16)
+    for n in rng.lognormal(np.log(200), 0.6, 400).astype(int):
+        lengths.observe(n)
+    running_tokens, running_generated = np.full(40, 300), np.full(40, 100)
+    args = (running_tokens, running_generated, np.full(200, 128), np.zeros(200, int), lengths, 40000.0, 16, 1.6)
+    plain = expected_demand_admissions(*args)
+    rows = 240
+    identity = Informed(np.zeros(rows), np.ones(rows), np.log(200))
+    assert expected_demand_admissions(*args, informed=identity) == plain
+    running_long = Informed(np.r_[np.full(40, 1.0), np.zeros(200)], np.r_[np.full(40, 0.5), np.ones(200)], np.log(200))
+    running_short = Informed(np.r_[np.full(40, -1.0), np.zeros(200)], np.r_[np.full(40, 0.5), np.ones(200)],
+                             np.log(200))
+    assert expected_demand_admissions(*args, informed=running_long) < plain < expected_demand_admissions(
+        *args, informed=running_short)
+
+
+def grpo_passes(siblings: bool, seed: int):
+    profile = ProfileConfig(kind="grpo", num_prompts=48, samples_per_prompt=8, prompt_tokens=64, median_output=200,
+                            sigma=0.8, sample_sigma=0.35, max_output=2048, iterations=2)
+    policy = make_policy({"name": "forecast", "b_max": 512, "eps_m": 0.05, "forecast_siblings": siblings})
+    results = []
+    for iteration in range(2):
+        requests = [(len(r.prompt.token_ids), r.output_tokens, 1.0, r.group)
+                    for r in profile_requests(profile, iteration, seed=seed)]
+        results.append(simulate(requests, policy, kv_capacity_blocks=1024, block_size=16, max_num_seqs=512,
+                                token_budget=4096, step_time=MODEL))
+        assert results[-1].generated_tokens == sum(r[1] for r in requests)
+    return results
+
+
+def test_simulated_grpo_groups_finish_sooner_with_sibling_updates():
+    # Submission order, no per-prompt memory: what siblings say is all that tells the groups apart.
+    for seed in (0, 2):
+        plain, informed = grpo_passes(False, seed), grpo_passes(True, seed)
+        assert sum(r.makespan_s for r in informed) < 0.97 * sum(r.makespan_s for r in plain)
+        assert sum(r.recomputed_tokens for r in informed) <= 0.01 * sum(r.generated_tokens for r in informed)
+
+
+@pytest.mark.engine
+def test_the_adapter_tells_the_policy_which_group_finished(tiny_model, tmp_path):
+    """Sibling updates need each finished request's group from the engine: with 4 samples of each prompt
+    finishing at different lengths (random EOS), the policy's estimate of some of their siblings moves."""
+    from omegaconf import OmegaConf
+
+    from rollout.config import RunConfig, validate
+    from rollout.data import Prompt
+    from rollout.engine import RolloutEngine
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "model": {"path": str(tiny_model), "dtype": "float32", "num_gpu_blocks_override": 48,
+                  "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024},
+        "data": {"source": "synthetic"}, "sampling": {"n": 4, "max_tokens": 64, "ignore_eos": False,
+                                                       "temperature": 1.0},
+        "policy": {"name": "forecast", "b_max": 64, "forecast_siblings": True, "order": "fifo"},
+        "output": {"stats_in": None}}))
+    validate(cfg)
+    rng = np.random.default_rng(4)
+    prompts = [Prompt(prompt_id=f"p{i}", text="", token_ids=rng.integers(10, 900, 200).tolist()) for i in range(40)]
+    lengths = rng.integers(8, 160, 40).tolist()
+    with RolloutEngine(cfg, tmp_path) as engine:
+        result = engine.generate(prompts, progress=False, max_tokens=lengths)
+    informed = [s["sibling_informed"] for s in result.trace if "sibling_informed" in s]
+    assert informed and max(informed) > 0
+    assert 0 < result.summary["generated_tokens"] <= 4 * sum(lengths)  # samples may stop early, at EOS
