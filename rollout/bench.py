@@ -171,10 +171,24 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         "policy_us_mean": round(statistics.mean(policy_us), 1) if policy_us else None,
         "policy_time_fraction": round(statistics.mean(policy_us) * 1e-6 / step_s, 5) if policy_us else None,
         "policy_cpu_fraction": round(statistics.mean(policy_cpu_us) * 1e-6 / step_s, 5) if policy_cpu_us else None,
+        **policy_cost(trace),
         "timeline": [{k: s[k] for k in ("t", "running", "kv_usage", "cap")} for s in trace[::max(1, len(trace) // 300)]],
         "kv_capacity_tokens": kv_capacity_tokens,
         "steps": [[s["t"], s["running"], s["scheduled_tokens"], s["kv_usage"], s["preempted"]] for s in trace],
     }
+
+
+def policy_cost(trace: list[dict]) -> dict:
+    """Where the policy's CPU time goes: steps that built the per-request arrays (and forecast) against the
+    rest, and the arrays' own cost."""
+    described = [s for s in trace if "describe_cpu_us" in s]
+    other = [s["policy_cpu_us"] for s in trace if "policy_cpu_us" in s and "describe_cpu_us" not in s]
+    if not described:
+        return {}
+    return {"described_steps": len(described),
+            "policy_cpu_us_described_mean": round(statistics.mean(s["policy_cpu_us"] for s in described), 1),
+            "describe_cpu_us_mean": round(statistics.mean(s["describe_cpu_us"] for s in described), 1),
+            "policy_cpu_us_other_mean": round(statistics.mean(other), 1) if other else None}
 
 
 def table(results: list[dict], profile: str, schedulers: list[str]) -> str:

@@ -140,8 +140,10 @@ class _DynamicBatchMixin:
             pending_prompt_tokens_mean=self._pending_prompt_tokens / max(self._pending, 1),
             pending_max_tokens_mean=self._pending_max_tokens / max(self._pending, 1),
         )
+        describe_cpu_us = None
         if self.batch_policy.wants_requests(state):
             self._describe_requests(state)
+            describe_cpu_us = (time.thread_time() - started_cpu) * 1e6
         cap = min(max(self.batch_policy.batch_cap(state), num_running, 1), self.max_cap)
         budget = None
         if self._max_step_tokens is not None:
@@ -168,6 +170,8 @@ class _DynamicBatchMixin:
                 "recomputed_tokens": self._recomputed, "policy_us": round(policy_us, 1),
                 "policy_cpu_us": round(policy_cpu_us, 1),
             }
+            if describe_cpu_us is not None:  # the per-request arrays were built (their share of policy_cpu_us)
+                record["describe_cpu_us"] = round(describe_cpu_us, 1)
             if budget is not None:
                 record["token_budget"] = self.max_num_scheduled_tokens
             if self._scaled:

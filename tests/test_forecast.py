@@ -206,6 +206,13 @@ def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(mo
     policy = fresh()
     policy.observe_finished(16, 130)
     assert policy.wants_requests(step(3))
+    # With more lengths known it takes more finishes to move it (here 40% of what is known).
+    monkeypatch.setattr(forecast_module, "ESTIMATE_MOVE", 0.4)
+    policy = fresh()
+    policy.observe_finished(16, 130)
+    assert policy.freed_tokens < policy.shortfall_tokens and not policy.wants_requests(step(3))
+    policy.observe_finished(16, 130)
+    assert policy.wants_requests(step(2))
     # Once the estimate is stable, only finishes that free what the first waiting request lacked.
     monkeypatch.setattr(forecast_module, "STABLE_COUNT", 0)
     policy = fresh()
