@@ -105,8 +105,8 @@ class PolicyConfig:
     # Narrow the forecast's margin while nothing is preempted and admissions wait, widen it on preemption.
     forecast_margin_feedback: bool = False
     # Sibling updates: within a pass, a group's finished samples (and its running ones' output so far) move
-    # the length estimate of the group's other samples.
-    forecast_siblings: bool = False
+    # the length estimate of the group's other samples (GRPO's n samples of a prompt; no effect on groups of one).
+    forecast_siblings: bool = True
     # Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go
     # first (the driver's per-prompt memory, saved beside the length statistics as prompt_lengths.json;
     # unseen prompts rank at the mean), and each request carries its predicted relative length to the

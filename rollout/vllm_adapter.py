@@ -24,6 +24,7 @@ import json
 import math
 import time
 from collections import OrderedDict
+from operator import attrgetter
 
 import numpy as np
 from pathlib import Path
@@ -34,6 +35,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from rollout.policy import FallbackPolicy, LengthStats, StepState, make_policy
 
 SETTINGS_KEY = "rollout"
+_output_tokens, _request_id = attrgetter("num_output_tokens"), attrgetter("request_id")
+# Per-request columns the adapter keeps for a pass (a row per request, `_row`): what does not change while it runs.
+PROMPT, MAX_TOKENS, GROUP, SHARED, SCALE = range(5)
 
 
 LENGTH_SCALE_KEY = "rollout_length_scale"
@@ -88,10 +92,14 @@ class _DynamicBatchMixin:
         self._pending_max_tokens = 0
         self._scaled = False  # some request carried a predicted length scale
         # Prefix caching shares a prompt's full blocks among the requests that carry it (GRPO's n samples):
-        # request id -> (group id, prompt tokens in full blocks), for the policy to count them once.
+        # each request's group (its prompt) and prompt tokens in full blocks, for the policy to count them once.
+        # Requests of a pass get a row of `_columns` (PROMPT, MAX_TOKENS, GROUP, SHARED, SCALE): describing
+        # them to the policy then reads one attribute per request, not five (it was 0.5 ms a step on an H100
+        # host with ~300 requests).
         self._share_prompts = bool(getattr(self.cache_config, "enable_prefix_caching", False))
         self._groups: dict[int, int] = {}
-        self._request_group: dict[str, tuple[int, int]] = {}
+        self._row: dict[str, int] = {}
+        self._columns = np.zeros((1024, 5))
         self._finished = 0
         self._recomputed = 0
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
@@ -106,10 +114,14 @@ class _DynamicBatchMixin:
         self._scaled = self._scaled or length_scale(request) != 1.0
         self._pending_prompt_tokens += request.num_prompt_tokens
         self._pending_max_tokens += request.max_tokens
+        group, shared = -1, 0
         if self._share_prompts and request.prompt_token_ids is not None:
             group = self._groups.setdefault(hash(tuple(request.prompt_token_ids)), len(self._groups))
-            self._request_group[request.request_id] = (
-                group, request.num_prompt_tokens // self.block_size * self.block_size)
+            shared = request.num_prompt_tokens // self.block_size * self.block_size
+        row = self._row.setdefault(request.request_id, len(self._row))
+        if row >= len(self._columns):
+            self._columns = np.concatenate([self._columns, np.zeros_like(self._columns)])
+        self._columns[row] = (request.num_prompt_tokens, request.max_tokens, group, shared, length_scale(request))
 
     def _read_prior(self) -> np.ndarray | None:
         # The driver writes it before submitting a pass, so it is in place when the first request arrives.
@@ -124,9 +136,11 @@ class _DynamicBatchMixin:
         self._pending_prompt_tokens -= request.num_prompt_tokens
         self._pending_max_tokens -= request.max_tokens
         self._finished += 1
-        group, _ = self._request_group.pop(request.request_id, (-1, 0))
-        if self._pending == 0:
+        row = self._row.get(request.request_id)
+        group = -1 if row is None else int(self._columns[row, GROUP])
+        if self._pending == 0:  # rows and groups are a pass's
             self._groups.clear()
+            self._row.clear()
         self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens,
                                            length_scale(request), group)
         return super()._free_request(request, *args, **kwargs)
@@ -214,42 +228,57 @@ class _DynamicBatchMixin:
                           prefill_tokens=prefill_tokens)
             self._write(record)
 
+    def _describe(self, requests) -> tuple[np.ndarray, np.ndarray]:
+        """Output tokens so far and the pass's columns of `requests`."""
+        n = len(requests)
+        generated = np.fromiter(map(_output_tokens, requests), np.int64, n)
+        rows = np.fromiter(map(self._row.__getitem__, map(_request_id, requests)), np.int64, n)
+        return generated, self._columns[rows]
+
     def _describe_requests(self, state: StepState) -> None:
-        unshared = (-1, 0)
-
-        def columns(requests) -> np.ndarray:  # one pass: tokens held, output so far, max tokens, group, shared
-            group = self._request_group
-            return np.array([(r.num_tokens, r.num_output_tokens, r.max_tokens, *group.get(r.request_id, unshared))
-                             for r in requests], dtype=np.int64).reshape(-1, 5)
-
-        running = columns(self.running)
+        running = list(self.running)
+        run_generated, run_columns = self._describe(running)
         # Preempted requests wait at the front; only as many as the cap could still admit (and the policy
         # asks for), and whose tokens would fit in the free blocks (plus one), matter. A group's prompt
         # blocks are held once: counted per sample, the cut showed the policy one waiting request a step while
         # groups ran, and it admitted one sample a step, each step a prefill (33 against 13 ms on an H100).
-        headroom = self.max_cap - len(self.running)
+        headroom = self.max_cap - len(running)
         limit = self.batch_policy.waiting_limit()
         free_tokens = (1.0 - self.kv_cache_manager.usage) * state.kv_capacity_blocks * state.block_size
-        held_groups = set(running[:, 3].tolist())
-        waiting = []
-        for request in itertools.islice(iter(self.waiting), headroom if limit is None else min(headroom, limit)):
-            waiting.append(request)
-            group, shared = self._request_group.get(request.request_id, unshared)
-            free_tokens -= request.num_tokens - (shared if group in held_groups else 0)
-            if group >= 0:
-                held_groups.add(group)
-            if free_tokens < 0:
+        held = set(run_columns[:, GROUP].tolist())
+        queue = iter(self.waiting)
+        wait_generated, wait_columns = [], []
+        remaining = headroom if limit is None else min(headroom, limit)
+        while remaining > 0 and free_tokens >= 0:  # a chunk at a time: the cut usually comes early
+            chunk = list(itertools.islice(queue, min(remaining, 64)))
+            if not chunk:
                 break
-        for side, table in (("running", running), ("waiting", columns(waiting))):
-            setattr(state, f"{side}_tokens", table[:, 0])
-            setattr(state, f"{side}_generated", table[:, 1])
-            setattr(state, f"{side}_remaining", table[:, 2] - table[:, 1])
-            if self._request_group:
-                setattr(state, f"{side}_group", table[:, 3])
-                setattr(state, f"{side}_shared", table[:, 4])
-        if self._scaled:
-            state.running_scale = np.fromiter(map(length_scale, self.running), dtype=float, count=len(self.running))
-            state.waiting_scale = np.fromiter(map(length_scale, waiting), dtype=float, count=len(waiting))
+            remaining -= len(chunk)
+            generated, columns = self._describe(chunk)
+            group = columns[:, GROUP]
+            first = np.zeros(len(chunk), dtype=bool)
+            first[np.unique(group, return_index=True)[1]] = True
+            cached = (group >= 0) & (~first | np.isin(group, list(held)))
+            need = np.cumsum(columns[:, PROMPT] + generated - np.where(cached, columns[:, SHARED], 0))
+            keep = min(int(np.searchsorted(need, free_tokens, side="right")) + 1, len(chunk))
+            wait_generated.append(generated[:keep])
+            wait_columns.append(columns[:keep])
+            held.update(group[:keep].tolist())
+            free_tokens -= need[keep - 1]
+        wait_generated = np.concatenate(wait_generated) if wait_generated else np.zeros(0, np.int64)
+        wait_columns = np.concatenate(wait_columns) if wait_columns else np.zeros((0, 5))
+        grouped = len(self._groups) < len(self._row)  # some prompt has several samples
+        for side, generated, columns in (("running", run_generated, run_columns),
+                                         ("waiting", wait_generated, wait_columns)):
+            prompt = columns[:, PROMPT].astype(np.int64)
+            setattr(state, f"{side}_tokens", prompt + generated)
+            setattr(state, f"{side}_generated", generated)
+            setattr(state, f"{side}_remaining", columns[:, MAX_TOKENS].astype(np.int64) - generated)
+            if grouped:
+                setattr(state, f"{side}_group", columns[:, GROUP].astype(np.int64))
+                setattr(state, f"{side}_shared", columns[:, SHARED].astype(np.int64))
+            if self._scaled:
+                setattr(state, f"{side}_scale", columns[:, SCALE])
 
     def _preempt_request(self, request, *args, **kwargs):
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again

@@ -46,10 +46,10 @@ def test_bad_bench_config_fails_before_any_engine(tmp_path):
 def test_a_scheduler_name_carries_policy_settings():
     from rollout.bench import load_bench_config, scheduler_policy
 
-    bench = load_bench_config("configs/bench/cpu-smoke.yaml", ["schedulers=[vllm,forecast-lpt:forecast_siblings=true]"])
+    bench = load_bench_config("configs/bench/cpu-smoke.yaml", ["schedulers=[vllm,forecast-lpt:forecast_siblings=false]"])
     settings = scheduler_policy(bench, bench.schedulers[1])
     assert settings["name"] == "forecast" and settings["order"] == "longest_first"
-    assert settings["forecast_siblings"] is True
+    assert settings["forecast_siblings"] is False
     result = subprocess.run([sys.executable, "-m", "rollout.bench", "--config", "configs/bench/cpu-smoke.yaml",
                              "schedulers=[forecast:siblings]"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "key=value" in result.stderr

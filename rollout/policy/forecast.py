@@ -307,6 +307,18 @@ class Groups:
 
     def __init__(self, group: np.ndarray) -> None:
         group = np.asarray(group)
+        self.first = None
+        if len(group) and group.min() >= 0:
+            # Usually each group's rows are next to each other in the queue (a prompt's samples arrive and are
+            # admitted together): then sums run in queue order, without gathering rows by group.
+            change = np.r_[True, group[1:] != group[:-1]]
+            heads = group[change]
+            if len(np.unique(heads)) == len(heads):
+                starts = np.flatnonzero(change)
+                self.first = np.repeat(starts, np.diff(np.r_[starts, len(group)]))
+                self.rows = None
+                self.grouped = len(heads) < len(group)
+                return
         order = np.argsort(group, kind="stable")
         g = group[order]
         starts = np.r_[True, g[1:] != g[:-1]] if len(g) else np.zeros(0, bool)
@@ -315,12 +327,16 @@ class Groups:
         self.rows = order[member]  # grouped, queue order within a group
         first = np.flatnonzero(starts[member])
         self.first = first[np.searchsorted(first, np.arange(len(self.rows)), side="right") - 1]
+        self.grouped = len(self.rows) > 0
 
     def __bool__(self) -> bool:
-        return len(self.rows) > 0
+        return self.grouped
 
     def earlier_sum(self, values: np.ndarray) -> np.ndarray:
         """For each row, the sum of `values` over earlier rows of its group."""
+        if self.rows is None:  # groups contiguous in queue order
+            through = np.cumsum(values, axis=0)
+            return through - values - (through[self.first] - values[self.first])
         before = np.zeros_like(values)
         if not len(self.rows):
             return before
@@ -458,7 +474,7 @@ class ForecastPolicy(MemoryPolicy):
 
     def __init__(self, *args, bin_tokens: int = 16, tail: str = "lognormal", carry_over: float = 0.05,
                  forecast_after: int = 32, cold_start: str = "gamma", cold_start_shape: float = 3.0,
-                 margin_feedback: bool = False, siblings: bool = False, **kwargs) -> None:
+                 margin_feedback: bool = False, siblings: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Fewer finished lengths than this leave the tail too uncertain, and they are the short ones: forecasting
         # from them alone over-admits (in the simulator, 8 instead of 32 preempted 2-4% of the tokens of the

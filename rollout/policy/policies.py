@@ -358,5 +358,5 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
                               cold_start_shape=float(settings.get("forecast_cold_start_shape", 3.0)),
                               carry_over=float(settings.get("forecast_carry_over", 0.05)),
                               margin_feedback=bool(settings.get("forecast_margin_feedback", False)),
-                              siblings=bool(settings.get("forecast_siblings", False)), **memory)
+                              siblings=bool(settings.get("forecast_siblings", True)), **memory)
     return POLICIES[name](**memory)
