@@ -245,29 +245,38 @@ class _DynamicBatchMixin:
         headroom = self.max_cap - len(running)
         limit = self.batch_policy.waiting_limit()
         free_tokens = (1.0 - self.kv_cache_manager.usage) * state.kv_capacity_blocks * state.block_size
-        held = set(run_columns[:, GROUP].tolist())
+        grouped = len(self._groups) < len(self._row)  # some prompt has several samples
+        if grouped:
+            held = np.zeros(len(self._groups), dtype=bool)  # groups whose prompt blocks are in the cache
+            group = run_columns[:, GROUP].astype(np.int64)
+            held[group[group >= 0]] = True
         queue = iter(self.waiting)
         wait_generated, wait_columns = [], []
         remaining = headroom if limit is None else min(headroom, limit)
-        while remaining > 0 and free_tokens >= 0:  # a chunk at a time: the cut usually comes early
-            chunk = list(itertools.islice(queue, min(remaining, 64)))
+        chunk_size = 16  # growing chunks: the cut usually comes early
+        while remaining > 0 and free_tokens >= 0:
+            chunk = list(itertools.islice(queue, min(remaining, chunk_size)))
             if not chunk:
                 break
             remaining -= len(chunk)
+            chunk_size *= 4
             generated, columns = self._describe(chunk)
-            group = columns[:, GROUP]
-            first = np.zeros(len(chunk), dtype=bool)
-            first[np.unique(group, return_index=True)[1]] = True
-            cached = (group >= 0) & (~first | np.isin(group, list(held)))
-            need = np.cumsum(columns[:, PROMPT] + generated - np.where(cached, columns[:, SHARED], 0))
+            need = columns[:, PROMPT] + generated
+            if grouped:
+                group = columns[:, GROUP].astype(np.int64)
+                first = np.zeros(len(chunk), dtype=bool)
+                first[np.unique(group, return_index=True)[1]] = True
+                cached = (group >= 0) & (~first | held[np.maximum(group, 0)])
+                need -= np.where(cached, columns[:, SHARED], 0)
+            need = np.cumsum(need)
             keep = min(int(np.searchsorted(need, free_tokens, side="right")) + 1, len(chunk))
             wait_generated.append(generated[:keep])
             wait_columns.append(columns[:keep])
-            held.update(group[:keep].tolist())
+            if grouped:
+                held[group[:keep][group[:keep] >= 0]] = True
             free_tokens -= need[keep - 1]
         wait_generated = np.concatenate(wait_generated) if wait_generated else np.zeros(0, np.int64)
         wait_columns = np.concatenate(wait_columns) if wait_columns else np.zeros((0, 5))
-        grouped = len(self._groups) < len(self._row)  # some prompt has several samples
         for side, generated, columns in (("running", run_generated, run_columns),
                                          ("waiting", wait_generated, wait_columns)):
             prompt = columns[:, PROMPT].astype(np.int64)
