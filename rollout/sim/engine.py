@@ -103,6 +103,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     pending_prompt = sum(r[0] for r in requests)
     pending_max = sum(r[1] for r in requests)
     trace = []
+    # As the adapter: group columns only when some prompt has several samples.
+    grouped = share_prompts and len({r.group for r in waiting}) < len(waiting)
     while waiting or running:
         pending = len(waiting) + len(running)
         state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
@@ -118,7 +120,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
             state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
             state.waiting_generated = np.array([r.generated for r in head], dtype=np.int64)
-            if share_prompts:
+            if grouped:
                 state.running_group = np.array([-1 if r.group is None else r.group for r in running], dtype=np.int64)
                 state.waiting_group = np.array([-1 if r.group is None else r.group for r in head], dtype=np.int64)
                 state.running_shared = np.array([prompt_blocks(r) * block_size for r in running], dtype=np.int64)
