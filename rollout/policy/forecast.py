@@ -8,6 +8,8 @@ is E[l_out - g | l_out > g] (conditional on what it already generated), and a fr
 Admission then follows the oracle (`oracle.py`) with expectations: waiting requests, in queue order, are
 admitted while, at every future time, the expected KV demand of everything running plus them (each request's
 tokens weighted by the probability it is still running then) plus theta standard deviations fits the cache.
+Samples of one prompt (a GRPO group) share its prompt blocks, counted once, and its length: what a group's
+finished samples say moves the estimate for the rest of the group (`SiblingLengths`).
 """
 
 from __future__ import annotations
