@@ -105,7 +105,8 @@ class CensoredLengths:
         generated = np.asarray(generated, dtype=float)
         bins = (generated // self.bin_tokens).astype(np.int64)
         size = max(self.longest_bin, int(bins.max(initial=0))) + 2
-        events = np.pad(self.finished, (0, max(size - len(self.finished), 0)))[:size].astype(float)
+        events = np.zeros(size)
+        events[:min(size, len(self.finished))] = self.finished[:size]
         censored = np.bincount(bins, minlength=size).astype(float) if len(generated) else np.zeros(size)
         at_risk = np.cumsum((events + censored)[::-1])[::-1]  # length or censoring point in bin k or later
         hazard = np.divide(events, at_risk, out=np.zeros(size), where=at_risk > 0)
@@ -385,7 +386,7 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
     sharing = running_shared is not None and waiting_shared is not None
     own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
-    held_now = float(np.sum(running_tokens) - (np.sum(running_shared) if sharing else 0)) + np.cumsum(
+    held_now = float(running_tokens.sum() - (running_shared.sum() if sharing else 0)) + np.cumsum(
         own_waiting + block_size - 1)
     fit_now = int(np.searchsorted(held_now, capacity_tokens, side="right"))
     waiting_tokens, waiting_generated = waiting_tokens[:fit_now + 1], waiting_generated[:fit_now + 1]
@@ -454,7 +455,7 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         total_mean = base_mean[None, :] + np.cumsum(mean[n:], axis=0)
         total_var = base_var[None, :] + np.cumsum(var[n:], axis=0)
         upper = total_mean + theta * np.sqrt(total_var)
-        fits = np.all(upper <= capacity_tokens, axis=1)
+        fits = (upper <= capacity_tokens).all(axis=1)
         admit = int(np.argmin(fits)) if not fits.all() else len(fits)  # demand grows with m: the first misfit ends it
         if admit < considered or considered == len(waiting_tokens):
             break
