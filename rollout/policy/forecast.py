@@ -104,7 +104,8 @@ class CensoredLengths:
         to finish (only censored past it) ends one bin past the longest request seen."""
         generated = np.asarray(generated, dtype=float)
         bins = (generated // self.bin_tokens).astype(np.int64)
-        size = max(self.longest_bin, int(bins.max(initial=0))) + 2
+        top = int(bins.max(initial=0))
+        size = max(self.longest_bin, top) + 2
         events = np.zeros(size)
         events[:min(size, len(self.finished))] = self.finished[:size]
         censored = np.bincount(bins, minlength=size).astype(float) if len(generated) else np.zeros(size)
@@ -113,16 +114,17 @@ class CensoredLengths:
         reach = np.concatenate([[1.0], np.cumprod(1.0 - hazard)])
         if self.tail == "lognormal" and reach[-1] > 0 and self.count >= 2:
             # Past the longest finished request the data say nothing: a censored lognormal fit carries the tail.
-            from scipy import stats
+            from scipy import special
 
             fit = self._lognormal(generated)
             last = self.longest_bin + 1
             if self._tail_ratio is None or self._tail_ratio[0] != (fit, last) or len(self._tail_ratio[1]) < 2 * size:
                 edges = np.arange(last, last + 4 * size + 64) * self.bin_tokens  # long enough for most tails
-                survival = stats.lognorm.sf(edges, fit[1], scale=np.exp(fit[0]))
-                self._tail_ratio = ((fit, last), survival / max(survival[0], 1e-300))
-            ratio = self._tail_ratio[1]
-            keep = max(int(np.searchsorted(-ratio, -1e-3)), int(bins.max(initial=0)) + 2 - last, 1)
+                survival = special.ndtr((fit[0] - np.log(edges)) / fit[1])  # lognormal sf; scipy.stats' costs 10x
+                ratio = survival / max(survival[0], 1e-300)
+                self._tail_ratio = ((fit, last), ratio, int(np.searchsorted(-ratio, -1e-3)))
+            _, ratio, above = self._tail_ratio  # `above`: bins until the tail falls under 1e-3
+            keep = max(above, top + 2 - last, 1)
             reach = np.concatenate([reach[:last + 1], reach[last] * ratio[1:keep]])
         return bins, np.concatenate([reach, [0.0]])
 
@@ -269,6 +271,8 @@ def _alive(bins: np.ndarray, reach: np.ndarray, ahead: np.ndarray) -> np.ndarray
         above = reach[np.minimum(below + 1, last)]
         later = above + (reach[below] - above) * (below + 1 - position)
     now = reach[bins][:, None]
+    if now.min(initial=1.0) > 0:
+        return later / now
     out = np.zeros(later.shape)
     out[:, 0] = 1.0
     return np.divide(later, now, out=out, where=now > 0)
