@@ -98,6 +98,7 @@ class _DynamicBatchMixin:
         # worth (that cost ~0.5 ms a forecasting step on an H100 host with ~300 requests).
         self._share_prompts = bool(getattr(self.cache_config, "enable_prefix_caching", False))
         self._groups: dict[int, int] = {}
+        self._grouped_requests = 0  # requests of this pass with a group (prompt ids known, prefix caching on)
         self._row: dict[str, int] = {}
         self._columns = np.zeros((1024, 5))
         self._finished = 0
@@ -118,6 +119,7 @@ class _DynamicBatchMixin:
         if self._share_prompts and request.prompt_token_ids is not None:
             group = self._groups.setdefault(hash(tuple(request.prompt_token_ids)), len(self._groups))
             shared = request.num_prompt_tokens // self.block_size * self.block_size
+            self._grouped_requests += 1
         row = self._row.setdefault(request.request_id, len(self._row))
         if row >= len(self._columns):
             self._columns = np.concatenate([self._columns, np.zeros_like(self._columns)])
@@ -140,6 +142,7 @@ class _DynamicBatchMixin:
         group = -1 if row is None else int(self._columns[row, GROUP])
         if self._pending == 0:  # rows and groups are a pass's
             self._groups.clear()
+            self._grouped_requests = 0
             self._row.clear()
         self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens,
                                            length_scale(request), group)
@@ -156,8 +159,9 @@ class _DynamicBatchMixin:
         )
         describe_cpu_us = None
         if self.batch_policy.wants_requests(state):
+            describe_started = time.thread_time()
             self._describe_requests(state)
-            describe_cpu_us = (time.thread_time() - started_cpu) * 1e6
+            describe_cpu_us = (time.thread_time() - describe_started) * 1e6
         cap = min(max(self.batch_policy.batch_cap(state), num_running, 1), self.max_cap)
         budget = None
         if self._max_step_tokens is not None:
@@ -245,7 +249,7 @@ class _DynamicBatchMixin:
         headroom = self.max_cap - len(running)
         limit = self.batch_policy.waiting_limit()
         free_tokens = (1.0 - self.kv_cache_manager.usage) * state.kv_capacity_blocks * state.block_size
-        grouped = len(self._groups) < len(self._row)  # some prompt has several samples
+        grouped = len(self._groups) < self._grouped_requests  # some prompt has several samples
         if grouped:
             held = np.zeros(len(self._groups), dtype=bool)  # groups whose prompt blocks are in the cache
             group = run_columns[:, GROUP].astype(np.int64)

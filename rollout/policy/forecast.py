@@ -258,6 +258,11 @@ def _to_estimate(tokens: np.ndarray, scale: np.ndarray | None, informed: Informe
     return base
 
 
+def _from_estimate(tokens: float, scale: np.ndarray, informed: Informed) -> np.ndarray:
+    """The inverse of `_to_estimate`: a length in the estimate's units as each row's real output length."""
+    return scale * np.exp(informed.pivot + informed.offset + informed.spread * (np.log(tokens) - informed.pivot))
+
+
 def _alive(bins: np.ndarray, reach: np.ndarray, ahead: np.ndarray) -> np.ndarray:
     """P(still running `ahead` bins of the estimate later | has reached `bins`), one row per request. `ahead`:
     whole bins, the same for every row, or one row of fractional bins per request (a request with scale s runs
@@ -286,8 +291,9 @@ def _ahead(generated: np.ndarray, steps: np.ndarray, bin_tokens: int, scale: np.
     ahead = steps[None, :] / (bin_tokens * scale[:, None])
     if informed is not None:
         rows = np.flatnonzero((informed.offset != 0) | (informed.spread != 1))
-        start = _to_estimate(generated[rows], scale[rows], _rows(informed, rows))
-        end = _to_estimate(generated[rows, None] + steps[None, :], scale[rows], _rows(informed, rows))
+        moved = _rows(informed, rows)
+        start = _to_estimate(generated[rows], scale[rows], moved)
+        end = _to_estimate(generated[rows, None] + steps[None, :], scale[rows], moved)
         ahead[rows] = (end - start[:, None]) / bin_tokens
     return ahead
 
@@ -409,9 +415,9 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     bins, reach = lengths.reach(_to_estimate(generated, scale, informed))
     # Far enough ahead for the longest-predicted request to end, at most ~MAX_POINTS future times checked.
     longest = 1.0 if scale is None else max(scale.max(initial=1.0), 1.0)
-    if informed is not None:  # the estimate's end in real bins, for the rows mapped by their siblings
-        longest = max(longest, float(np.max(scale * np.exp(informed.pivot + informed.offset + informed.spread * (
-            np.log(len(reach) * lengths.bin_tokens) - informed.pivot)), initial=0.0)) / (len(reach) * lengths.bin_tokens))
+    if informed is not None:  # the estimate's end as a real length, for the rows mapped by their siblings
+        end = len(reach) * lengths.bin_tokens
+        longest = max(longest, float(_from_estimate(end, scale, informed).max(initial=0.0)) / end)
     span = int(np.ceil(len(reach) * longest)) + 2
     stride = -(-span // MAX_POINTS)
     horizon = -(-span // stride) + 1

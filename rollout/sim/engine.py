@@ -104,7 +104,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     pending_max = sum(r[1] for r in requests)
     trace = []
     # As the adapter: group columns only when some prompt has several samples.
-    grouped = share_prompts and len({r.group for r in waiting}) < len(waiting)
+    groups = [r.group for r in waiting if r.group is not None]
+    grouped = share_prompts and len(set(groups)) < len(groups)
     while waiting or running:
         pending = len(waiting) + len(running)
         state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
