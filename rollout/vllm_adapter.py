@@ -145,7 +145,7 @@ class _DynamicBatchMixin:
             self._grouped_requests = 0
             self._row.clear()
         self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens,
-                                           length_scale(request), group)
+                                           length_scale(request), group, -1 if row is None else row)
         return super()._free_request(request, *args, **kwargs)
 
     def schedule(self, *args, **kwargs):
@@ -154,6 +154,7 @@ class _DynamicBatchMixin:
         state = StepState(
             num_running=num_running, num_waiting=num_waiting,
             kv_capacity_blocks=self.kv_capacity_blocks, block_size=self.block_size,
+            kv_free_blocks=round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks),
             pending_prompt_tokens_mean=self._pending_prompt_tokens / max(self._pending, 1),
             pending_max_tokens_mean=self._pending_max_tokens / max(self._pending, 1),
         )
@@ -232,30 +233,30 @@ class _DynamicBatchMixin:
                           prefill_tokens=prefill_tokens)
             self._write(record)
 
-    def _describe(self, requests) -> tuple[np.ndarray, np.ndarray]:
-        """Output tokens so far and the pass's columns of `requests`."""
+    def _describe(self, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Output tokens so far, rows in the pass and the pass's columns of `requests`."""
         n = len(requests)
         generated = np.fromiter(map(_output_tokens, requests), np.int64, n)
         rows = np.fromiter(map(self._row.__getitem__, map(_request_id, requests)), np.int64, n)
-        return generated, self._columns[rows]
+        return generated, rows, self._columns[rows]
 
     def _describe_requests(self, state: StepState) -> None:
         running = list(self.running)
-        run_generated, run_columns = self._describe(running)
+        run_generated, run_rows, run_columns = self._describe(running)
         # Preempted requests wait at the front; only as many as the cap could still admit (and the policy
         # asks for), and whose tokens would fit in the free blocks (plus one), matter. A group's prompt
         # blocks are held once: counted per sample, the cut showed the policy one waiting request a step while
         # groups ran, and it admitted one sample a step, each step a prefill (33 against 13 ms on an H100).
         headroom = self.max_cap - len(running)
         limit = self.batch_policy.waiting_limit()
-        free_tokens = (1.0 - self.kv_cache_manager.usage) * state.kv_capacity_blocks * state.block_size
+        free_tokens = state.kv_free_blocks * state.block_size
         grouped = len(self._groups) < self._grouped_requests  # some prompt has several samples
         if grouped:
             held = np.zeros(len(self._groups), dtype=bool)  # groups whose prompt blocks are in the cache
             group = run_columns[:, GROUP].astype(np.int64)
             held[group[group >= 0]] = True
         queue = iter(self.waiting)
-        wait_generated, wait_columns = [], []
+        wait_generated, wait_rows, wait_columns = [], [], []
         remaining = headroom if limit is None else min(headroom, limit)
         chunk_size = 16  # growing chunks: the cut usually comes early
         while remaining > 0 and free_tokens >= 0:
@@ -264,7 +265,7 @@ class _DynamicBatchMixin:
                 break
             remaining -= len(chunk)
             chunk_size *= 4
-            generated, columns = self._describe(chunk)
+            generated, rows, columns = self._describe(chunk)
             need = columns[:, PROMPT] + generated
             if grouped:
                 group = columns[:, GROUP].astype(np.int64)
@@ -275,17 +276,20 @@ class _DynamicBatchMixin:
             need = np.cumsum(need)
             keep = min(int(np.searchsorted(need, free_tokens, side="right")) + 1, len(chunk))
             wait_generated.append(generated[:keep])
+            wait_rows.append(rows[:keep])
             wait_columns.append(columns[:keep])
             if grouped:
                 held[group[:keep][group[:keep] >= 0]] = True
             free_tokens -= need[keep - 1]
         wait_generated = np.concatenate(wait_generated) if wait_generated else np.zeros(0, np.int64)
+        wait_rows = np.concatenate(wait_rows) if wait_rows else np.zeros(0, np.int64)
         wait_columns = np.concatenate(wait_columns) if wait_columns else np.zeros((0, 5))
-        for side, generated, columns in (("running", run_generated, run_columns),
-                                         ("waiting", wait_generated, wait_columns)):
+        for side, generated, rows, columns in (("running", run_generated, run_rows, run_columns),
+                                               ("waiting", wait_generated, wait_rows, wait_columns)):
             prompt = columns[:, PROMPT].astype(np.int64)
             setattr(state, f"{side}_tokens", prompt + generated)
             setattr(state, f"{side}_generated", generated)
+            setattr(state, f"{side}_rows", rows)
             setattr(state, f"{side}_remaining", columns[:, MAX_TOKENS].astype(np.int64) - generated)
             if grouped:
                 setattr(state, f"{side}_group", columns[:, GROUP].astype(np.int64))

@@ -301,7 +301,7 @@ def test_the_forecast_reports_its_margin_as_the_safety_buffer():
                       running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
                       waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64))
     policy.batch_cap(state)
-    admit, margin, _ = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
+    admit, margin, *_ = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
                                                state.waiting_generated, policy.lengths, 60 * 16, 16, policy.theta,
                                                with_margin=True)
     assert 0 < admit < 20 and admit == policy.admitted_last
@@ -391,3 +391,59 @@ def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_whil
     assert policy.margin_blocks < fixed.margin_blocks
     assert "margin_scale" not in fixed.trace_fields()  # off by default: the simulator found no gain
 
+
+
+def deterministic_policy(length: int = 200) -> ForecastPolicy:
+    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+    for _ in range(50):
+        policy.observe_finished(16, length)
+    return policy
+
+
+def described(running: int, free_blocks: int, generated: int = 0, waiting: int = 10, prompt: int = 16) -> StepState:
+    """`running` requests of a 16-token prompt that generated `generated` tokens, rows 0.., then `waiting` ones
+    with `prompt` tokens; a 2400-token cache."""
+    state = StepState(num_running=running, num_waiting=waiting, kv_capacity_blocks=150, block_size=16,
+                      kv_free_blocks=free_blocks)
+    state.running_tokens, state.running_generated = np.full(running, 16 + generated), np.full(running, generated)
+    state.waiting_tokens, state.waiting_generated = np.full(waiting, prompt), np.zeros(waiting, dtype=np.int64)
+    state.running_rows, state.waiting_rows = np.arange(running), running + np.arange(waiting)
+    return state
+
+
+def test_a_request_that_does_not_fit_now_waits_for_the_cache_to_free_what_it_lacks():
+    policy = deterministic_policy()
+    # 10 requests near their end hold 2260 of the 2400 tokens: a 200-token prompt overshoots now.
+    assert policy.batch_cap(described(10, free_blocks=5, generated=195, prompt=200)) == 10
+    assert policy.admitted_last == 0 and policy._overshoot.tokens_ahead == 0
+    lacking = policy.shortfall_tokens
+    # Finishes whose blocks the running requests' new tokens took: nothing fits yet, however many finish
+    # (the estimate has no say in what is held now).
+    for _ in range(3):
+        policy.observe_finished(16, 200)
+    assert policy.freed_tokens > lacking and not policy.wants_requests(described(7, free_blocks=5))
+    assert not policy.wants_requests(described(7, free_blocks=5 + int(lacking // 16) - 1))
+    assert policy.wants_requests(described(7, free_blocks=5 + int(lacking // 16) + 1))
+
+
+def test_a_request_that_overshoots_later_waits_for_finishes_beyond_those_expected(monkeypatch):
+    import rollout.policy.forecast as forecast_module
+
+    monkeypatch.setattr(forecast_module, "STABLE_COUNT", 0)  # finishes no longer move the estimate enough to matter
+    policy = deterministic_policy()
+    # Fresh requests heading for 200 tokens each: 10 of them fit the cache all the way, an 11th would at
+    # their end, not now.
+    assert policy.batch_cap(described(10, free_blocks=130)) == 10
+    overshoot = policy._overshoot
+    assert policy.admitted_last == 0 and overshoot.tokens_ahead > 100
+    assert 0 < policy.shortfall_tokens < 216  # one running request's share there is more than it lacks
+    policy.observe_finished(16, 30)  # a finish the forecast cannot place frees nothing there
+    assert not policy.wants_requests(described(9, free_blocks=130))
+    policy.observe_finished(16, 30, row=3)  # one that was to run past then did not
+    assert policy.wants_requests(described(8, free_blocks=130))
+    # Without a finish the forecast is out of date once that time has come.
+    policy = deterministic_policy()
+    policy.batch_cap(described(10, free_blocks=130))
+    for _ in range(int(policy._overshoot.tokens_ahead) - 1):
+        assert not policy.wants_requests(described(10, free_blocks=130))
+    assert policy.wants_requests(described(10, free_blocks=130))

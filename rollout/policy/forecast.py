@@ -30,8 +30,10 @@ MARGIN_WIDEN, MARGIN_NARROW = 2.0, 0.99  # preemption feedback: theta's scale pe
 MARGIN_SCALE_MIN, MARGIN_SCALE_MAX = 0.5, 2.0
 MARGIN_QUIET_FORECASTS = 32  # forecasts without a preemption before the margin narrows
 STABLE_COUNT = 512  # finished lengths after which one more finish barely moves the estimate
-# Before that, a forecast that admitted nothing is repeated once the finishes since add this share of the
-# lengths seen (any finish below 128): in the simulator a quarter fewer forecasts, the same throughput.
+# Before that, a forecast that admitted nothing where its first request left out overshoots later (not now) is
+# repeated once the finishes since add this share of the lengths seen (any finish below 128). In the simulator
+# (long-cot, 4 seeds) 1/128 and 1/64 were the same, 1/32 lost 0.6%, none at all 1.2%; 1/64 lost 1.5% on
+# small grpo passes (384 requests, where the estimate never settles).
 ESTIMATE_MOVE = 1 / 128
 
 
@@ -370,10 +372,26 @@ def shared_prompt_holding(alive: np.ndarray, groups: Groups, shared: np.ndarray)
     return shared[:, None] * none_before
 
 
+class Overshoot(NamedTuple):
+    """Where the first request not admitted overshoots the cache most: how many tokens ahead, the expected
+    demand and its variance there of each request forecast (running, then waiting), and their total variance.
+    A request that ends before then takes its share away (see `ForecastPolicy.wants_requests`)."""
+
+    tokens_ahead: float
+    mean: np.ndarray
+    var: np.ndarray
+    total_var: float
+    # The share of it expected to have ended by each future time up to then (tokens ahead, share): finishes
+    # the forecast already counted on.
+    expected_ahead: np.ndarray
+    expected_gone: np.ndarray
+
+
 class Admission(NamedTuple):
     count: int  # waiting requests admitted (a prefix of the queue)
     margin_tokens: float  # kept free against uncertainty where the admitted demand comes closest to the cache
     shortfall_tokens: float  # how far the first request not admitted would overshoot the cache (0: all fit)
+    overshoot: Overshoot | None = None  # where it does (None: all fit)
 
 
 def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np.ndarray,
@@ -392,7 +410,8 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     an `Admission`, which adds the tokens kept free against uncertainty (theta standard deviations) where the
     admitted demand comes closest to the cache (the forecast's counterpart of Algorithm 1's safety buffer), and
     by how many tokens the first request not admitted overshoots it. `informed`: rows (running, then waiting)
-    whose estimate their group's finished samples moved (see SiblingLengths)."""
+    whose estimate their group's finished samples moved (see SiblingLengths). The `Admission` also tells
+    where the first request not admitted overshoots (`Overshoot`), for the policy to know when to look again."""
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
     sharing = running_shared is not None and waiting_shared is not None
     own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
@@ -445,12 +464,20 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
             var = var + 2.0 * groups.earlier_sum(sd) * sd
         return mean, var
 
-    def result(admit: int, demand_mean: np.ndarray, demand_var: np.ndarray, peak: float = 0.0):
+    def result(admit: int, demand_mean: np.ndarray, demand_var: np.ndarray, peak: float = 0.0,
+               over: tuple | None = None):
         if not with_margin:
             return admit
         closest = int(np.argmax(demand_mean + theta * np.sqrt(demand_var))) if len(demand_mean) else 0
+        overshoot = None
+        if over is not None and peak > capacity_tokens:
+            row_mean, row_var, total_var, upper = over  # per row and in total, at each future time
+            at = int(np.argmax(upper))
+            share = row_mean[:, at]
+            overshoot = Overshoot(float(steps[at]), share, row_var[:, at], float(total_var[at]), steps[:at + 1],
+                                  share @ (1.0 - alive[:len(share), :at + 1]))
         return Admission(admit, float(theta * np.sqrt(demand_var[closest])) if len(demand_var) else 0.0,
-                         max(peak - capacity_tokens, 0.0))
+                         max(peak - capacity_tokens, 0.0), overshoot)
 
     # Most steps admit a few requests or none: forecast a short prefix of the queue first, longer ones only
     # while all of it fits (a row's demand does not depend on later rows, so the answer is the same).
@@ -461,7 +488,8 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         base_mean, base_var = mean[:n].sum(axis=0), var[:n].sum(axis=0)
         base_peak = base_mean.max(initial=0.0) + theta * np.sqrt(base_var.max(initial=0.0))
         if base_peak > capacity_tokens:
-            return result(0, base_mean, base_var, base_peak)
+            return result(0, base_mean, base_var, base_peak,
+                          (mean[:n], var[:n], base_var, base_mean + theta * np.sqrt(base_var)))
         total_mean = base_mean[None, :] + np.cumsum(mean[n:], axis=0)
         total_var = base_var[None, :] + np.cumsum(var[n:], axis=0)
         upper = total_mean + theta * np.sqrt(total_var)
@@ -470,10 +498,13 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         if admit < considered or considered == len(waiting_tokens):
             break
         window *= 4
-    peak = float(upper[admit].max(initial=0.0)) if admit < considered else 0.0  # the first request left out
+    peak, over = 0.0, None
+    if admit < considered:  # the first request left out
+        peak = float(upper[admit].max(initial=0.0))
+        over = (mean[:n + admit + 1], var[:n + admit + 1], total_var[admit], upper[admit])
     if admit == 0:
-        return result(0, base_mean, base_var, peak)
-    return result(admit, total_mean[admit - 1], total_var[admit - 1], peak)
+        return result(0, base_mean, base_var, peak, over)
+    return result(admit, total_mean[admit - 1], total_var[admit - 1], peak, over)
 
 
 class ForecastPolicy(MemoryPolicy):
@@ -519,6 +550,16 @@ class ForecastPolicy(MemoryPolicy):
         self.freed_tokens = 0.0
         self.finished_since_forecast = 0
         self._running_at_forecast: int | None = None
+        # Where the first request left out overshoots (Overshoot): if now, it fits once the cache frees what it
+        # lacked; if later, a finish frees its share of the expected demand there (a request that was to hold 10
+        # tokens then frees 10, whatever it holds now), found by its row in the pass. Counting what finished
+        # requests held instead, 80-90% of the forecasts that followed admitted nothing.
+        self._overshoot: Overshoot | None = None
+        self._overshoot_rows: np.ndarray | None = None  # row in the pass -> index into the overshoot's shares
+        self._overshoot_theta = 0.0
+        self._free_at_forecast: int | None = None  # free KV blocks at the last forecast
+        self.freed_mean, self.freed_var = 0.0, 0.0
+        self.steps_since_forecast = 0
         # Preemption feedback: theta is scaled down while forecasts admit nothing and nothing was preempted
         # for a while (the margin sits unused), and up after a preemption.
         self.margin_feedback = margin_feedback
@@ -530,16 +571,28 @@ class ForecastPolicy(MemoryPolicy):
         self.informed_rows = 0  # requests whose estimate their siblings moved, at the last forecast
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
-                         group: int = -1) -> None:
-        super().observe_finished(prompt_tokens, output_tokens, length_scale, group)
+                         group: int = -1, row: int = -1) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row)
         if self.siblings is not None:
             self.siblings.observe(group, output_tokens, length_scale)
         self.lengths.observe(output_tokens / max(length_scale, 1e-6))
         self.freed_tokens += prompt_tokens + output_tokens  # at most: a group's shared prompt stays while others run
         self.finished_since_forecast += 1
+        if self._overshoot_rows is not None and 0 <= row < len(self._overshoot_rows):
+            at = self._overshoot_rows[row]
+            if at >= 0:
+                self.freed_mean += self._overshoot.mean[at]
+                self.freed_var += self._overshoot.var[at]
 
     def observe_preempted(self, computed_tokens: int) -> None:
         self.preempted_since_forecast += 1
+
+    def _freed_at_overshoot(self) -> float:
+        """How far the finishes since the last forecast lowered its overshoot: their shares of the mean, and of
+        theta standard deviations (rows taken as independent)."""
+        total = self._overshoot.total_var
+        return self.freed_mean + self._overshoot_theta * (
+            np.sqrt(total) - np.sqrt(max(total - self.freed_var, 0.0)))
 
     def _adjust_margin(self) -> None:
         """Before a forecast: wider after a preemption, narrower after many quiet forecasts of which the last
@@ -602,14 +655,29 @@ class ForecastPolicy(MemoryPolicy):
         return blended
 
     def wants_requests(self, state: StepState) -> bool:
+        self.steps_since_forecast += 1
         if not self._forecasting(state):
             return False
         if self.admitted_last or self._running_at_forecast is None:
             return True
-        # Running requests that left other than by finishing (preemption) free memory not counted in freed_tokens.
+        # Running requests that left other than by finishing (preemption) free memory the finishes do not count.
         if state.num_running + self.finished_since_forecast != self._running_at_forecast:
             return True
-        if self.freed_tokens > self.shortfall_tokens:
+        overshoot = self._overshoot
+        if overshoot is not None and not overshoot.tokens_ahead and self._free_at_forecast is not None:
+            # The first request left out does not fit now: it can once the cache has freed what it lacked
+            # (finishes, less what running requests wrote since). The estimate plays no part in that.
+            return (state.kv_free_blocks or 0) - self._free_at_forecast > self.shortfall_tokens / state.block_size
+        if overshoot is not None and self._overshoot_rows is not None:
+            # It overshoots later: finishes count beyond those the forecast expected by then; once that time
+            # has come, the forecast is out of date.
+            ahead = self.steps_since_forecast
+            if ahead >= overshoot.tokens_ahead:
+                return True
+            expected = np.interp(ahead, overshoot.expected_ahead, overshoot.expected_gone)
+            if self._freed_at_overshoot() - expected > self.shortfall_tokens:
+                return True
+        elif self.freed_tokens > self.shortfall_tokens:
             return True
         if self.lengths.count < STABLE_COUNT:
             # Finishes still move the estimate itself, by more than the memory they free (long-cot in the
@@ -643,16 +711,24 @@ class ForecastPolicy(MemoryPolicy):
                                 np.ones(len(state.waiting_group)) if state.waiting_scale is None
                                 else state.waiting_scale]).astype(float), len(state.running_group))
             self.informed_rows = 0 if informed is None else int(np.count_nonzero(informed.spread < 1))
-        admit, margin_tokens, self.shortfall_tokens = expected_demand_admissions(
+        theta = self.theta * self.margin_scale
+        admit, margin_tokens, self.shortfall_tokens, self._overshoot = expected_demand_admissions(
             state.running_tokens, state.running_generated, state.waiting_tokens, state.waiting_generated,
-            self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size,
-            self.theta * self.margin_scale,
+            self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size, theta,
             state.running_scale, state.waiting_scale, state.running_group, state.waiting_group,
             state.running_shared, state.waiting_shared, informed=informed, with_margin=True)
         self.margin_blocks = margin_tokens / state.block_size
         self.admitted_last = admit
         self._running_at_forecast = state.num_running
+        self._free_at_forecast = state.kv_free_blocks
         self.freed_tokens, self.finished_since_forecast = 0.0, 0
+        self.freed_mean, self.freed_var, self._overshoot_theta = 0.0, 0.0, theta
+        self.steps_since_forecast = 0
+        self._overshoot_rows = None  # without rows, finishes count what they held (freed_tokens)
+        if self._overshoot is not None and self._overshoot.tokens_ahead and state.running_rows is not None:
+            rows = np.concatenate([state.running_rows, state.waiting_rows])[:len(self._overshoot.mean)]
+            self._overshoot_rows = np.full(int(rows.max(initial=-1)) + 1, -1, dtype=np.int64)
+            self._overshoot_rows[rows] = np.arange(len(rows))
         if state.running_shared is not None:  # prompt tokens running samples would hold again without sharing
             _, holder = np.unique(state.running_group, return_index=True)
             self.shared_prompt_tokens = int(state.running_shared.sum() - state.running_shared[holder].sum())
@@ -663,6 +739,8 @@ class ForecastPolicy(MemoryPolicy):
     def trace_fields(self) -> dict:
         fields = super().trace_fields()
         fields["forecast_admitted"] = self.admitted_last
+        # Where the first request left out overshoots, in tokens ahead of its forecast (0: now; None: all fit).
+        fields["overshoot_tokens_ahead"] = None if self._overshoot is None else self._overshoot.tokens_ahead
         if self.margin_feedback:
             fields["margin_scale"] = self.margin_scale
         if self.siblings is not None:

@@ -24,6 +24,7 @@ class StepState:
     num_waiting: int
     kv_capacity_blocks: int
     block_size: int
+    kv_free_blocks: int | None = None  # free now (None: not known)
     # Cold-start demand estimate from requests not yet finished, in tokens.
     pending_prompt_tokens_mean: float = 0.0
     pending_max_tokens_mean: float = 0.0
@@ -48,6 +49,9 @@ class StepState:
     waiting_group: Any = None
     running_shared: Any = None
     waiting_shared: Any = None
+    # Each request's row in its pass (the number `observe_finished` is given when it ends; None: not known).
+    running_rows: Any = None
+    waiting_rows: Any = None
 
 
 class StaticPolicy:
@@ -78,9 +82,10 @@ class StaticPolicy:
         return None
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
-                         group: int = -1) -> None:
+                         group: int = -1, row: int = -1) -> None:
         """A finished request; `length_scale` is how long its prompt's outputs were predicted to be relative
-        to the average (1: nothing known); `group`: the group (prompt) of its sibling samples, -1 if none."""
+        to the average (1: nothing known); `group`: the group (prompt) of its sibling samples, -1 if none;
+        `row`: its row in the pass, as the StepState's `*_rows` gave it (-1: not known)."""
         self.stats.observe(prompt_tokens, output_tokens)
 
     def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
@@ -120,8 +125,8 @@ class MemoryPolicy(StaticPolicy):
         self.std_demand_blocks = math.nan
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
-                         group: int = -1) -> None:
-        super().observe_finished(prompt_tokens, output_tokens, length_scale, group)
+                         group: int = -1, row: int = -1) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row)
         self.finished_since_update += 1
 
     def _demand(self, state: StepState) -> tuple[float, float]:
@@ -284,9 +289,9 @@ class FallbackPolicy:
             return self.policy.batch_cap(state)
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
-                         group: int = -1) -> None:
+                         group: int = -1, row: int = -1) -> None:
         try:
-            self.policy.observe_finished(prompt_tokens, output_tokens, length_scale, group)
+            self.policy.observe_finished(prompt_tokens, output_tokens, length_scale, group, row)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 

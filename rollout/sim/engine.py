@@ -48,6 +48,7 @@ class SimRequest:
     output_tokens: int
     length_scale: float = 1.0  # predicted length relative to the average (the driver's per-prompt memory)
     group: int | None = None  # requests of one group share the prompt (prefix caching)
+    row: int = -1  # its place in the pass (what the policy is told when it finishes)
     generated: int = 0
     computed: int = 0  # tokens whose KV is in the cache
     blocks: int = 0  # blocks of its own (not the group's shared prompt blocks)
@@ -81,7 +82,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
              prior_lengths=None, share_prompts: bool = True) -> SimResult:
     """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group]]), in arrival order) to
     completion under `policy`."""
-    waiting = deque(SimRequest(*r) for r in requests)
+    waiting = deque(SimRequest(*r, row=k) for k, r in enumerate(requests))
     policy.start_pass(prior_lengths)
     running: list[SimRequest] = []
     free = kv_capacity_blocks
@@ -109,7 +110,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     while waiting or running:
         pending = len(waiting) + len(running)
         state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
-                          block_size=block_size, pending_prompt_tokens_mean=pending_prompt / pending,
+                          block_size=block_size, kv_free_blocks=free, pending_prompt_tokens_mean=pending_prompt / pending,
                           pending_max_tokens_mean=pending_max / pending)
         if policy.wants_requests(state):
             state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
@@ -121,6 +122,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
             state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
             state.waiting_generated = np.array([r.generated for r in head], dtype=np.int64)
+            state.running_rows = np.array([r.row for r in running], dtype=np.int64)
+            state.waiting_rows = np.array([r.row for r in head], dtype=np.int64)
             if grouped:
                 state.running_group = np.array([-1 if r.group is None else r.group for r in running], dtype=np.int64)
                 state.waiting_group = np.array([-1 if r.group is None else r.group for r in head], dtype=np.int64)
@@ -195,7 +198,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 pending_prompt -= r.prompt_tokens
                 pending_max -= r.output_tokens
                 policy.observe_finished(r.prompt_tokens, r.output_tokens, r.length_scale,
-                                        -1 if r.group is None else r.group)
+                                        -1 if r.group is None else r.group, r.row)
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
     return SimResult(clock, generated, preemptions, recomputed, steps, trace)
