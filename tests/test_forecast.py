@@ -447,3 +447,22 @@ def test_a_request_that_overshoots_later_waits_for_finishes_beyond_those_expecte
     for _ in range(int(policy._overshoot.tokens_ahead) - 1):
         assert not policy.wants_requests(described(10, free_blocks=130))
     assert policy.wants_requests(described(10, free_blocks=130))
+
+
+def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():
+    policy = ForecastPolicy(0.05, 1024, min_observations=2, forecast_after=2)
+    for _ in range(50):
+        policy.observe_finished(16, 200)
+    first = StepState(num_running=0, num_waiting=2000, kv_capacity_blocks=100_000, block_size=16, kv_free_blocks=100_000)
+    first.running_tokens = first.running_generated = first.running_rows = np.zeros(0, dtype=np.int64)
+    first.waiting_tokens, first.waiting_generated = np.full(1024, 16), np.zeros(1024, dtype=np.int64)
+    first.waiting_rows = np.arange(1024)
+    assert policy.batch_cap(first) == 1024 and policy.admitted_last == 1024  # ample memory: the cap binds
+
+    def running(n: int) -> StepState:
+        return StepState(num_running=n, num_waiting=976, kv_capacity_blocks=100_000, block_size=16,
+                         kv_free_blocks=90_000)
+    # A few finished: room for a few, not yet worth a forecast over a thousand running requests (nor a step
+    # with prefill for them); the cap holds the running count meanwhile.
+    assert not policy.wants_requests(running(1020)) and policy.batch_cap(running(1020)) == 1020
+    assert policy.wants_requests(running(1000))
