@@ -35,7 +35,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from rollout.policy import FallbackPolicy, LengthStats, StepState, make_policy
 
 SETTINGS_KEY = "rollout"
-_output_tokens, _request_id = attrgetter("num_output_tokens"), attrgetter("request_id")
+_request_id = attrgetter("request_id")
+# A request's output so far: the length of its private token list (vLLM 0.26 and 0.32 both keep one behind the
+# num_output_tokens property) is read without a Python call per request; the property where it is missing.
+_output_list = attrgetter("_output_token_ids")
 # Per-request columns the adapter keeps for a pass (a row per request, `_row`): what does not change while it runs.
 PROMPT, MAX_TOKENS, GROUP, SHARED, SCALE = range(5)
 
@@ -101,6 +104,7 @@ class _DynamicBatchMixin:
         self._grouped_requests = 0  # requests of this pass with a group (prompt ids known, prefix caching on)
         self._row: dict[str, int] = {}
         self._columns = np.zeros((1024, 5))
+        self._output_lists = True  # every request keeps its output in a list (see _output_list)
         self._finished = 0
         self._recomputed = 0
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
@@ -111,6 +115,7 @@ class _DynamicBatchMixin:
         if self._pending == 0:  # requests arrive at an idle engine: a new pass (RL iteration)
             self.batch_policy.start_pass(self._read_prior())
         super().add_request(request)
+        self._output_lists = self._output_lists and isinstance(getattr(request, "_output_token_ids", None), list)
         self._pending += 1
         self._scaled = self._scaled or length_scale(request) != 1.0
         self._pending_prompt_tokens += request.num_prompt_tokens
@@ -236,7 +241,10 @@ class _DynamicBatchMixin:
     def _describe(self, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Output tokens so far, rows in the pass and the pass's columns of `requests`."""
         n = len(requests)
-        generated = np.fromiter(map(_output_tokens, requests), np.int64, n)
+        if self._output_lists:
+            generated = np.fromiter(map(len, map(_output_list, requests)), np.int64, n)
+        else:
+            generated = np.fromiter((r.num_output_tokens for r in requests), np.int64, n)
         rows = np.fromiter(map(self._row.__getitem__, map(_request_id, requests)), np.int64, n)
         return generated, rows, self._columns[rows]
 
