@@ -381,7 +381,8 @@ def shared_prompt_holding(alive: np.ndarray, groups: Groups, shared: np.ndarray)
 class Overshoot(NamedTuple):
     """Where the first request not admitted overshoots the cache most: how many tokens ahead, the expected
     demand and its variance there of each request forecast (running, then waiting), and their total variance.
-    A request that ends before then takes its share away (see `ForecastPolicy.wants_requests`)."""
+    A request that ends before then takes its share away (see `ForecastPolicy.wants_requests`). Where it
+    overshoots now the per-row lists are left empty: what frees room then is read from the cache itself."""
 
     tokens_ahead: float
     mean: list  # lists: read an item at a time, per finish and per step
@@ -490,9 +491,12 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         if over is not None and peak > capacity_tokens:
             row_mean, row_var, total_var, upper = over  # per row and in total, at each future time
             at = int(np.argmax(upper))
-            share = row_mean[:, at]
-            overshoot = Overshoot(float(steps[at]), share.tolist(), row_var[:, at].tolist(), float(total_var[at]),
-                                  steps[:at + 1].tolist(), (share @ (1.0 - alive[:len(share), :at + 1])).tolist())
+            if at == 0:  # now: the policy waits for free blocks, the rows' shares go unused
+                overshoot = Overshoot(0.0, [], [], float(total_var[0]), [], [])
+            else:
+                share = row_mean[:, at]
+                overshoot = Overshoot(float(steps[at]), share.tolist(), row_var[:, at].tolist(), float(total_var[at]),
+                                      steps[:at + 1].tolist(), (share @ (1.0 - alive[:len(share), :at + 1])).tolist())
         return Admission(admit, float(theta * np.sqrt(demand_var[closest])) if len(demand_var) else 0.0,
                          max(peak - capacity_tokens, 0.0), overshoot)
 
