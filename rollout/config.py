@@ -112,6 +112,9 @@ class PolicyConfig:
     # unseen prompts rank at the mean), and each request carries its predicted relative length to the
     # scheduler (the forecast policy scales its length estimate by it).
     order: str = "longest_first"  # longest_first | fifo
+    # Hold the running batch at the engine's largest CUDA-graph batch (vLLM: 512 unless configured) unless its
+    # measured steps say a larger one makes more tokens a second (memory, memory-clt, sla, forecast).
+    graph_cap: bool = True
 
 
 @dataclass

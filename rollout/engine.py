@@ -302,6 +302,7 @@ class RolloutEngine:
             "kv_capacity_blocks": header.get("kv_capacity_blocks"), "block_size": block_size,
             "kv_capacity_tokens": (header.get("kv_capacity_blocks") or 0) * block_size,
             "b_max": header.get("max_cap"), "cap_knob": header.get("cap_attr"),
+            "cuda_graph_batch": header.get("graph_batch"),  # the largest batch the engine runs as a CUDA graph
             "steps": len(steps),
             "recomputed_tokens": sum(s.get("recomputed_tokens", 0) for s in steps) if steps else None,
         }

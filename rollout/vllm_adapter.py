@@ -61,6 +61,16 @@ def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_
                            "stats_out": stats_out, "stats_options": stats_options or {}}}
 
 
+def graph_batch(vllm_config) -> int:
+    """The largest decode batch the engine replays as a CUDA graph; 0 when it runs none (CPU, enforce_eager)."""
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if vllm_config.model_config.enforce_eager or mode is None or getattr(mode, "name", str(mode)) == "NONE":
+        return 0
+    return int(getattr(compilation, "max_cudagraph_capture_size", None) or max(
+        getattr(compilation, "cudagraph_capture_sizes", None) or [0]))
+
+
 class _DynamicBatchMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -74,7 +84,8 @@ class _DynamicBatchMixin:
             stats = LengthStats(**options)
         self.max_cap = self.scheduler_config.max_num_seqs
         static_cap = int(settings["policy"].get("static_cap") or self.max_cap)
-        self.batch_policy = FallbackPolicy(make_policy(settings["policy"], stats), min(static_cap, self.max_cap))
+        policy_settings = {**settings["policy"], "graph_batch": graph_batch(self.vllm_config)}
+        self.batch_policy = FallbackPolicy(make_policy(policy_settings, stats), min(static_cap, self.max_cap))
         self._cap_attr = "max_num_active_reqs" if hasattr(self, "max_num_active_reqs") else "max_num_running_reqs"
         self.kv_capacity_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
         self.stats_out = settings.get("stats_out")
@@ -85,6 +96,7 @@ class _DynamicBatchMixin:
         self._trace.write(json.dumps({"event": "start", "policy": self.batch_policy.name,
                                       "kv_capacity_blocks": self.kv_capacity_blocks,
                                       "block_size": self.block_size, "max_cap": self.max_cap,
+                                      "graph_batch": policy_settings["graph_batch"],
                                       "cap_attr": self._cap_attr, "stats_count": self.batch_policy.stats.count}) + "\n")
         self._trace.flush()
         self._step = 0

@@ -70,6 +70,8 @@ def test_memory_policy_caps_stay_within_running_and_b_max(tight_runs):
     caps = {step["cap"] for step in trace}
     assert max(caps) < B_MAX  # the policy really moved the cap
     assert runs["memory"].summary["cap_knob"] == "max_num_active_reqs"
+    assert runs["memory"].summary["cuda_graph_batch"] == 0  # vLLM on CPU runs no CUDA graphs: no graph cap
+    assert "graph_limit" not in trace[0]
 
 
 def test_memory_policy_preempts_less_than_static(tight_runs):

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.policy.graph_cap import GraphCap
 from rollout.policy.length_stats import LengthStats
 from rollout.policy.memory import clamp_cap, clt_batch_bound, memory_batch_size, overflow_quantile, safety_buffer
 from rollout.policy.sla import SLAController, StepWindow
@@ -113,9 +114,14 @@ class MemoryPolicy(StaticPolicy):
     name = "memory"
 
     def __init__(self, eps_m: float, max_cap: int, min_cap: int = 1, update_every: int = 16,
-                 min_observations: int = 8, stats: LengthStats | None = None) -> None:
+                 min_observations: int = 8, stats: LengthStats | None = None, graph_batch: int = 0) -> None:
         super().__init__(max_cap, max_cap, stats)
         self.theta = overflow_quantile(eps_m)
+        # Above the engine's largest CUDA-graph batch a step may cost more than the extra requests make: the cap
+        # stays there unless measured steps say otherwise (graph_cap.GraphCap); `max_cap` is the limit in force.
+        self.graph = GraphCap(graph_batch, max_cap) if 0 < graph_batch < max_cap else None
+        if self.graph is not None:
+            self.max_cap = self.graph.limit
         self.min_cap = min_cap
         self.update_every = update_every
         self.min_observations = min_observations
@@ -128,6 +134,10 @@ class MemoryPolicy(StaticPolicy):
                          group: int = -1, row: int = -1) -> None:
         super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row)
         self.finished_since_update += 1
+
+    def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
+        if self.graph is not None:
+            self.max_cap = self.graph.observe(latency_s, decode_requests, prefill_tokens)
 
     def _demand(self, state: StepState) -> tuple[float, float]:
         if self.stats.count >= self.min_observations:
@@ -160,12 +170,15 @@ class MemoryPolicy(StaticPolicy):
         return memory_batch_size(state.kv_capacity_blocks, self.safety_buffer_blocks, mean)
 
     def trace_fields(self) -> dict:
-        return {
+        fields = {
             "stats_count": self.stats.count,
             "safety_buffer_blocks": self.safety_buffer_blocks,
             "mean_demand_blocks": None if math.isnan(self.mean_demand_blocks) else self.mean_demand_blocks,
             "std_demand_blocks": None if math.isnan(self.std_demand_blocks) else self.std_demand_blocks,
         }
+        if self.graph is not None:
+            fields["graph_limit"] = self.max_cap
+        return fields
 
 
 class CLTPolicy(MemoryPolicy):
@@ -192,8 +205,8 @@ class SLAPolicy(MemoryPolicy):
                  min_observations: int = 8, stats: LengthStats | None = None, tolerance_s: float | None = None,
                  relax: float = 4.0, hold: float = 2.0, window: int = 8, chunk: bool = False,
                  chunk_min_tokens: int = 32, chunk_relax_tokens: float = 64.0,
-                 chunk_hold_tokens: float = 32.0) -> None:
-        super().__init__(eps_m, max_cap, min_cap, update_every, min_observations, stats)
+                 chunk_hold_tokens: float = 32.0, graph_batch: int = 0) -> None:
+        super().__init__(eps_m, max_cap, min_cap, update_every, min_observations, stats, graph_batch)
         self.batch_search = SLAController(target_s, min_cap, max_cap, relax, hold, tolerance_s)
         self.decode_window = StepWindow(window)
         self.chunk = chunk
@@ -208,6 +221,7 @@ class SLAPolicy(MemoryPolicy):
                          self.max_cap)
 
     def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
+        super().observe_step(latency_s, decode_requests, prefill_tokens)
         # A decoding request waits for every step it is part of, prompt chunks included: those are its decode
         # latency. Steps that ran prompt tokens also tell the chunk search how large a chunk the bound allows.
         if decode_requests and (means := self.decode_window.add(latency_s, decode_requests, decode_requests)):
@@ -343,7 +357,8 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
         return StaticPolicy(int(settings.get("static_cap") or max_cap), max_cap, stats)
     memory = dict(eps_m=float(settings["eps_m"]), max_cap=max_cap, min_cap=int(settings.get("b_min", 1)),
                   update_every=int(settings.get("update_every", 16)),
-                  min_observations=int(settings.get("min_observations", 8)), stats=stats)
+                  min_observations=int(settings.get("min_observations", 8)), stats=stats,
+                  graph_batch=int(settings.get("graph_batch") or 0) if settings.get("graph_cap", True) else 0)
     if name == "sla":
         if not settings.get("d_sla_ms"):
             raise ValueError("policy sla needs d_sla_ms, the step latency bound in milliseconds")

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-budget", type=int, default=16384,
                         help="vLLM's max_num_batched_tokens (its offline default on H100/H200-class GPUs)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--graph-batch", type=int, default=0,
+                        help="the largest decode batch run as a CUDA graph (vLLM's default: 512 with max_num_seqs "
+                             "1024); the fit then prices decode-only steps above it apart")
     parser.add_argument("--policy-time", action="store_true",
                         help="add each scheduler's measured policy time per step (results.json) to its simulated "
                              "steps, as if the policy ran on the critical path (the simulator has no policy cost)")
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     per_kv = None if args.per_kv_token_ns is None else args.per_kv_token_ns * 1e-9
     for profile in bench.profiles:
         runs = step_rows(folder / f"steps-{profile.name}.jsonl.gz")
-        model, fit_error = fit_step_time(step_rows(args.fit) if args.fit else runs, per_kv)
+        model, fit_error = fit_step_time(step_rows(args.fit) if args.fit else runs, per_kv, args.graph_batch)
         capacity_tokens = max(run["kv_capacity_tokens"] or 0 for run in runs)  # "vllm" runs record none
         print(f"### {profile.name}: step time = {model} "
               f"(fitted to {args.fit or 'these runs'}; total-time error of the fit {fit_error:.1%})\n")

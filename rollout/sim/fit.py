@@ -17,10 +17,12 @@ def step_rows(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def fit_step_time(runs: list[dict], per_kv_token: float | None = None) -> tuple[StepTimeModel, float]:
-    """Non-negative least squares of step duration on (1, decode seqs, KV tokens, prefill tokens, any prefill);
-    returns the model and the relative error of predicted total time over the runs used. `per_kv_token` fixes
-    that coefficient (seconds per KV token read): short contexts cannot tell it from the per-sequence cost."""
+def fit_step_time(runs: list[dict], per_kv_token: float | None = None,
+                  graph_batch: int = 0) -> tuple[StepTimeModel, float]:
+    """Non-negative least squares of step duration on (1, decode seqs, KV tokens, prefill tokens, any prefill,
+    and with `graph_batch` a decode-only step over that many requests); returns the model and the relative error
+    of predicted total time over the runs used. `per_kv_token` fixes that coefficient (seconds per KV token
+    read): short contexts cannot tell it from the per-sequence cost."""
     from scipy.optimize import nnls
 
     features, durations = [], []
@@ -32,16 +34,17 @@ def fit_step_time(runs: list[dict], per_kv_token: float | None = None) -> tuple[
         running, scheduled, kv = steps[:-1, 1], steps[:-1, 2], steps[:-1, 3] * run["kv_capacity_tokens"]
         prefill = np.maximum(scheduled - running, 0)
         decode = np.minimum(running, scheduled)
-        features.append(np.column_stack([np.ones_like(dt), decode, kv, prefill, prefill > 0]))
+        features.append(np.column_stack([np.ones_like(dt), decode, kv, prefill, prefill > 0,
+                                         decode > graph_batch if graph_batch else 0 * dt]))
         durations.append(dt)
     x, y = np.vstack(features), np.concatenate(durations)
     # A slow step without prefill is a host hiccup, not a step; slow steps with prefill are what prices prefill
     # and recomputation (dropping them once made recomputation look 6x cheaper than it is).
     keep = ~((y > 10 * np.median(y)) & (x[:, 3] == 0))
-    if per_kv_token is None:
-        coef, _ = nnls(x[keep], y[keep])
-    else:
-        rest, _ = nnls(x[keep][:, [0, 1, 3, 4]], y[keep] - per_kv_token * x[keep][:, 2])
-        coef = np.insert(rest, 2, per_kv_token)
+    fitted = [k for k in range(x.shape[1]) if not (k == 2 and per_kv_token is not None or k == 5 and not graph_batch)]
+    coef = np.zeros(x.shape[1])
+    if per_kv_token is not None:
+        coef[2] = per_kv_token
+    coef[fitted], _ = nnls(x[keep][:, fitted], y[keep] - x[keep] @ coef)
     error = abs(float((x @ coef).sum() - y.sum())) / float(y.sum())
-    return StepTimeModel(*map(float, coef)), error
+    return StepTimeModel(*map(float, coef[:5]), graph_batch=graph_batch, per_eager_step=float(coef[5])), error

@@ -42,7 +42,7 @@ def scheduler_settings(bench: BenchConfig, name: str) -> dict:
 def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,
                      kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384) -> ProfileRun:
     settings = scheduler_settings(bench, name)
-    policy = make_policy(settings)
+    policy = make_policy({**settings, "graph_batch": step_time.graph_batch})  # as the adapter reads it from vLLM
     memory = PromptLengths()
     run = ProfileRun()
     for iteration in range(profile.iterations):
