@@ -174,7 +174,9 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         **policy_cost(trace),
         "timeline": [{k: s[k] for k in ("t", "running", "kv_usage", "cap")} for s in trace[::max(1, len(trace) // 300)]],
         "kv_capacity_tokens": kv_capacity_tokens,
-        "steps": [[s["t"], s["running"], s["scheduled_tokens"], s["kv_usage"], s["preempted"]] for s in trace],
+        # The simulator's fit reads the first five; the cap and the step's latency as the policy measured it follow.
+        "steps": [[s["t"], s["running"], s["scheduled_tokens"], s["kv_usage"], s["preempted"], s["cap"],
+                   s.get("step_ms")] for s in trace],
     }
 
 
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_once(bench, profile, scheduler, model, work / f"{profile.name}-{scheduler}-{rep}")
                 result["rep"] = rep
                 steps = {"scheduler": scheduler, "rep": rep, "kv_capacity_tokens": result.pop("kv_capacity_tokens"),
-                         "steps": result.pop("steps")}  # per step: t, running, scheduled tokens, KV use, preempted
+                         "steps": result.pop("steps")}  # per step: t, running, scheduled tokens, KV use, preempted, cap, ms
                 with gzip.open(out / f"steps-{profile.name}.jsonl.gz", "at") as f:  # what the simulator is fit to
                     f.write(json.dumps(steps) + "\n")
                 results.append(result)

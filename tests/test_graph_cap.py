@@ -129,3 +129,15 @@ def test_the_graph_batch_is_read_from_vllms_compilation_config():
     assert graph_batch(config(cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=[1, 2, 4, 8, 256])) == 256
     assert graph_batch(config(cudagraph_mode="NONE", max_cudagraph_capture_size=512)) == 0
     assert graph_batch(config(True, cudagraph_mode="FULL_DECODE_ONLY", max_cudagraph_capture_size=512)) == 0
+
+
+def test_once_held_at_the_graph_it_stays_there_as_steps_slow():
+    # Later graph steps are slower (longer contexts) than the eager steps read before: read against those, the
+    # larger batch would look the faster, which on the GPU turned the answer back and forth.
+    cap = GraphCap(G, B)
+    graph_steps(cap)
+    for _ in range(8):
+        cap.observe(0.050, G + 1, 0)
+    assert cap.limit == G and cap.held
+    graph_steps(cap, 32, latency=0.045)
+    assert cap.limit == G

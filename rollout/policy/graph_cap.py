@@ -43,6 +43,7 @@ class GraphCap:
         self.eager_steps: deque[tuple[int, float]] = deque(maxlen=4 * samples)
         self.near_graph: deque[float] = deque(maxlen=4 * samples)  # latencies in the top eighth below it
         self.limit = graph_batch
+        self.held = False  # decided: the graph's batch it is
 
     def observe(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> int:
         """One finished step; returns the cap limit from now on."""
@@ -56,6 +57,8 @@ class GraphCap:
                 self.near_graph.append(latency_s)
         else:
             return self.limit
+        if self.held:
+            return self.limit
         if len(self.near_graph) < self.samples:  # the graph's best is not known: stay there
             self.limit = self.graph_batch
         elif len(self.eager_steps) < self.samples:
@@ -64,10 +67,11 @@ class GraphCap:
             slope, intercept = self.graph_line()
             graph_step = intercept + slope * self.graph_batch
             gain = (self.graph_batch / graph_step) / (self.max_cap / self.eager_step_s(slope, intercept))
-            if self.limit == self.graph_batch:  # held: back above only once the larger batch is the faster
-                self.limit = self.graph_batch if gain > 1.0 else self.max_cap
-            else:
-                self.limit = self.graph_batch if gain > GRAPH_GAIN else self.max_cap
+            # Held for good: the steps grow slower as contexts lengthen, so graph steps read later against the
+            # eager steps of before turned the answer back and forth on the GPU (each turn a wait for the
+            # batch to come down).
+            self.held = gain > GRAPH_GAIN
+            self.limit = self.graph_batch if self.held else self.max_cap
         return self.limit
 
     def graph_line(self) -> tuple[float, float]:

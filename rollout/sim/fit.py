@@ -27,7 +27,7 @@ def fit_step_time(runs: list[dict], per_kv_token: float | None = None,
 
     features, durations = [], []
     for run in runs:
-        steps = np.asarray(run["steps"], dtype=float)  # t, running, scheduled tokens, KV use, preempted
+        steps = np.asarray([row[:5] for row in run["steps"]], dtype=float)  # t, running, scheduled tokens, KV, preempted
         if len(steps) < 3:
             continue
         dt = np.diff(steps[:, 0])
