@@ -113,8 +113,9 @@ class PolicyConfig:
     # scheduler (the forecast policy scales its length estimate by it).
     order: str = "longest_first"  # longest_first | fifo
     # Hold the running batch at the engine's largest CUDA-graph batch (vLLM: 512 unless configured) unless its
-    # measured steps say a larger one makes more tokens a second (memory, memory-clt, sla, forecast).
-    graph_cap: bool = True
+    # measured steps say a larger one makes more tokens a second (memory, memory-clt, sla, forecast). Off by
+    # default: on H100s it tied (docs/benchmarks.md, stop 16).
+    graph_cap: bool = False
 
 
 @dataclass

@@ -71,7 +71,7 @@ def test_bad_sizes_are_rejected():
 
 @pytest.mark.parametrize("name", ["memory", "memory-clt", "forecast"])
 def test_policies_hold_their_cap_at_what_the_graph_cap_allows(name):
-    settings = {"name": name, "b_max": B, "eps_m": 0.05, "graph_batch": G}
+    settings = {"name": name, "b_max": B, "eps_m": 0.05, "graph_batch": G, "graph_cap": True}
     policy = make_policy(settings)
     assert policy.max_cap == G and policy.trace_fields()["graph_limit"] == G
     for _ in range(8):
@@ -81,6 +81,7 @@ def test_policies_hold_their_cap_at_what_the_graph_cap_allows(name):
         policy.observe_step(0.060, G + 4, 0)
     assert policy.max_cap == G
     assert make_policy({**settings, "graph_cap": False}).max_cap == B
+    assert make_policy({k: v for k, v in settings.items() if k != "graph_cap"}).max_cap == B  # off by default
     assert make_policy({**settings, "graph_batch": 0}).max_cap == B  # no CUDA graphs (CPU, enforce_eager)
     assert make_policy({**settings, "graph_batch": B}).max_cap == B  # every batch is a graph
     sla = make_policy({**settings, "name": "sla", "d_sla_ms": 50})

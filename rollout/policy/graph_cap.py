@@ -1,18 +1,18 @@
 """Whether running more requests than the engine's largest CUDA-graph batch makes more tokens per second.
 
 vLLM replays decode steps as CUDA graphs up to a batch size (512 unless configured); a larger decode batch runs
-eagerly, every kernel launched from the host. On an H100 host with the 8B shape such a step took 34-65 ms at
-513-1024 requests against 25 ms at 512 (docs/benchmarks.md, stop 16), so 1024 requests made fewer tokens per
-second than 512, by an amount that differed between two sessions on the same kind of machine. So it is
-measured: decode-only steps near the graph's batch and above it, one small probe above it when none ran there.
+eagerly, every kernel launched from the host. On H100 hosts with the 8B shape a step of ~1,000 requests took
+37-65 ms against 19-25 ms for 512 (docs/benchmarks.md, stop 16): from as fast as the graph in tokens a second
+to a quarter slower, by machine. So it is measured: decode-only steps near the graph's batch and above it, one
+small probe above it when none ran there. Off by default (`policy.graph_cap`): it tied on those GPUs.
 
 A step's time is taken as a line in its batch, fitted (least squares) to the recent steps below the graph's batch
 and, apart, above it once they span enough batch sizes; the eager line is read at `max_cap`. From the probe
 alone, an eager step of `max_cap` requests is taken as the longer of the probe's step (the host launching
-kernels one by one, which the GPU's work overlaps: on the H100, 35 ms at 518 requests and 37-39 at ~1024) and the
-graph's line read at `max_cap`, all of the graph's step counted per request while its steps span too few batch
-sizes for a line. The cap is held at the graph's batch when it makes `GRAPH_GAIN` times the tokens a second
-of `max_cap` requests.
+kernels one by one, which the GPU's work overlaps: on one H100, 35 ms at 518 requests and 37-39 at ~1024) and
+the graph's line read at `max_cap`, all of the graph's step counted per request while its steps span too few
+batch sizes for a line. The cap is held at the graph's batch, for good, when it makes `GRAPH_GAIN` times the
+tokens a second of `max_cap` requests.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections import deque
 
 # How many times the larger batch's tokens a second the graph's must make to hold the cap there. A larger batch
 # also starts the queue's requests sooner, which shortens the drain tail: in the simulator, fitted to H100
-# cap-bound runs, a graph 3.6% faster gained 0.2% over the pass; and on the GPU a probe's reading of the larger
-# batch was ~15% off what it ran at.
+# cap-bound runs, a graph 3.6% faster gained 0.2% over the pass; and on the GPU the probe's estimate of a step
+# of 1,024 was ~15% above what such steps took.
 GRAPH_GAIN = 1.15
 
 

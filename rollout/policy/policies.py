@@ -358,7 +358,7 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
     memory = dict(eps_m=float(settings["eps_m"]), max_cap=max_cap, min_cap=int(settings.get("b_min", 1)),
                   update_every=int(settings.get("update_every", 16)),
                   min_observations=int(settings.get("min_observations", 8)), stats=stats,
-                  graph_batch=int(settings.get("graph_batch") or 0) if settings.get("graph_cap", True) else 0)
+                  graph_batch=int(settings.get("graph_batch") or 0) if settings.get("graph_cap") else 0)
     if name == "sla":
         if not settings.get("d_sla_ms"):
             raise ValueError("policy sla needs d_sla_ms, the step latency bound in milliseconds")
