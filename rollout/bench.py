@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_once(bench, profile, scheduler, model, work / f"{profile.name}-{scheduler}-{rep}")
                 result["rep"] = rep
                 steps = {"scheduler": scheduler, "rep": rep, "kv_capacity_tokens": result.pop("kv_capacity_tokens"),
-                         "steps": result.pop("steps")}  # per step: t, running, scheduled tokens, KV use, preempted, cap, ms
+                         "steps": result.pop("steps")}  # per step: t, running, scheduled, KV use, preempted, cap, ms
                 with gzip.open(out / f"steps-{profile.name}.jsonl.gz", "at") as f:  # what the simulator is fit to
                     f.write(json.dumps(steps) + "\n")
                 results.append(result)

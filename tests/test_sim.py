@@ -175,3 +175,25 @@ def test_scheduler_settings_in_a_name_are_typed_as_on_the_command_line():
     policy = make_policy(scheduler_settings(bench, "forecast:forecast_margin_feedback=false"))
     assert policy.margin_feedback is False  # the text "false" is not a true value
     assert make_policy(scheduler_settings(bench, "forecast:forecast_margin_feedback=true")).margin_feedback
+
+
+def test_fit_prices_steps_past_the_largest_graph_apart(tmp_path):
+    model = StepTimeModel(base=0.008, per_seq=3e-5, per_kv_token=0.0, per_prefill_token=1.5e-5, per_mixed_step=3e-3,
+                          graph_batch=200, per_eager_step=0.02)
+    rng = np.random.default_rng(2)
+    steps, t = [], 0.0
+    for _ in range(3000):
+        running = int(rng.integers(1, 400))
+        scheduled = running + int(rng.integers(0, 2000)) * int(rng.random() < 0.2)
+        steps.append([t, running, scheduled, 0.5, 0])
+        t += model(running, 0, scheduled - running)
+    path = tmp_path / "steps-g.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"scheduler": "vllm", "rep": 0, "kv_capacity_tokens": 1000, "steps": steps}))
+    from rollout.sim.fit import step_rows
+
+    fitted, error = fit_step_time(step_rows(path), per_kv_token=0.0, graph_batch=200)
+    assert (fitted.graph_batch, fitted.per_eager_step) == (200, pytest.approx(0.02, rel=1e-3))
+    assert fitted.base == pytest.approx(0.008, rel=1e-3) and error < 1e-6
+    blind, _ = fit_step_time(step_rows(path), per_kv_token=0.0)  # one line through both sides of the edge
+    assert blind.per_eager_step == 0.0 and blind.per_seq > 2 * 3e-5  # the edge read as a cost per request

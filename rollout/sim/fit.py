@@ -20,14 +20,14 @@ def step_rows(path: str | Path) -> list[dict]:
 def fit_step_time(runs: list[dict], per_kv_token: float | None = None,
                   graph_batch: int = 0) -> tuple[StepTimeModel, float]:
     """Non-negative least squares of step duration on (1, decode seqs, KV tokens, prefill tokens, any prefill,
-    and with `graph_batch` a decode-only step over that many requests); returns the model and the relative error
+    and with `graph_batch` a step decoding more requests than that); returns the model and the relative error
     of predicted total time over the runs used. `per_kv_token` fixes that coefficient (seconds per KV token
     read): short contexts cannot tell it from the per-sequence cost."""
     from scipy.optimize import nnls
 
     features, durations = [], []
     for run in runs:
-        steps = np.asarray([row[:5] for row in run["steps"]], dtype=float)  # t, running, scheduled tokens, KV, preempted
+        steps = np.asarray([row[:5] for row in run["steps"]], dtype=float)  # t, running, scheduled, KV, preempted
         if len(steps) < 3:
             continue
         dt = np.diff(steps[:, 0])
@@ -41,7 +41,7 @@ def fit_step_time(runs: list[dict], per_kv_token: float | None = None,
     # A slow step without prefill is a host hiccup, not a step; slow steps with prefill are what prices prefill
     # and recomputation (dropping them once made recomputation look 6x cheaper than it is).
     keep = ~((y > 10 * np.median(y)) & (x[:, 3] == 0))
-    fitted = [k for k in range(x.shape[1]) if not (k == 2 and per_kv_token is not None or k == 5 and not graph_batch)]
+    fitted = [k for k in range(6) if not (k == 2 and per_kv_token is not None or k == 5 and not graph_batch)]
     coef = np.zeros(x.shape[1])
     if per_kv_token is not None:
         coef[2] = per_kv_token
