@@ -142,3 +142,34 @@ def test_once_held_at_the_graph_it_stays_there_as_steps_slow():
     assert cap.limit == G and cap.held
     graph_steps(cap, 32, latency=0.045)
     assert cap.limit == G
+
+
+def test_above_the_graph_it_is_decided_again_every_few_eager_steps_not_at_each():
+    # Cheap eager steps first: above the graph. Then eager steps of 128 requests turn slow (90 ms: 1422/s
+    # against the graph's 3200/s): seven of them leave the decision as it was, the eighth brings the cap down.
+    cap = GraphCap(G, B)
+    graph_steps(cap)
+    for _ in range(8):
+        cap.observe(0.021, G + 1, 0)
+    assert cap.limit == B and not cap.held
+    for _ in range(7):
+        assert cap.observe(0.090, B, 0) == B
+    assert cap.observe(0.090, B, 0) == G and cap.held
+
+
+def test_a_policy_that_fails_while_probing_falls_back_to_the_configured_cap_not_the_probe():
+    from rollout.policy.policies import FallbackPolicy
+
+    policy = make_policy({"name": "memory", "b_max": B, "eps_m": 0.05, "graph_batch": G, "graph_cap": True})
+    guarded = FallbackPolicy(policy, fallback_cap=B)
+    for _ in range(8):
+        guarded.observe_step(0.020, G, 0)
+    assert policy.max_cap == G + G // 64  # probing
+    policy.batch_cap = None  # a bug: the next step's call raises
+    assert guarded.batch_cap(SimpleNamespace(num_running=G)) == B
+    held = make_policy({"name": "memory", "b_max": B, "eps_m": 0.05, "graph_batch": G, "graph_cap": True})
+    guarded = FallbackPolicy(held, fallback_cap=B)
+    for latency, batch in [(0.020, G)] * 8 + [(0.060, G + 4)] * 8:
+        guarded.observe_step(latency, batch, 0)
+    held.batch_cap = None
+    assert guarded.batch_cap(SimpleNamespace(num_running=G)) == G  # what the graph cap decided stays

@@ -44,6 +44,7 @@ class GraphCap:
         self.near_graph: deque[float] = deque(maxlen=4 * samples)  # latencies in the top eighth below it
         self.limit = graph_batch
         self.held = False  # decided: the graph's batch it is
+        self.eager_since_decision = 0  # eager steps since the lines were last fitted
 
     def observe(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> int:
         """One finished step; returns the cap limit from now on."""
@@ -51,6 +52,7 @@ class GraphCap:
             return self.limit
         if decode_requests > self.graph_batch:
             self.eager_steps.append((decode_requests, latency_s))
+            self.eager_since_decision += 1
         elif 2 * decode_requests >= self.graph_batch:
             self.graph_steps.append((decode_requests, latency_s))
             if 8 * decode_requests >= 7 * self.graph_batch:
@@ -63,7 +65,10 @@ class GraphCap:
             self.limit = self.graph_batch
         elif len(self.eager_steps) < self.samples:
             self.limit = self.graph_batch + self.probe
+        elif self.limit == self.max_cap and self.eager_since_decision < self.samples:
+            pass  # decided for max_cap: fitted again once `samples` more eager steps came, not at each one
         else:
+            self.eager_since_decision = 0
             slope, intercept = self.graph_line()
             graph_step = intercept + slope * self.graph_batch
             gain = (self.graph_batch / graph_step) / (self.max_cap / self.eager_step_s(slope, intercept))

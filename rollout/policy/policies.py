@@ -293,7 +293,13 @@ class FallbackPolicy:
         self.error = f"{type(exc).__name__}: {exc}"
         logging.getLogger("rollout").warning("policy %s failed (%s); continuing with a static cap of %d",
                                              self.policy.name, self.error, self.fallback_cap)
-        self.policy = StaticPolicy(self.fallback_cap, self.policy.max_cap, self.policy.stats)
+        # The graph cap's limit while it was still measuring (a probe, or the graph's batch before any eager
+        # step) is no decision: the static cap is bounded by what was configured, or by the graph it held.
+        limit = self.policy.max_cap
+        graph = getattr(self.policy, "graph", None)
+        if graph is not None and not graph.held:
+            limit = graph.max_cap
+        self.policy = StaticPolicy(self.fallback_cap, limit, self.policy.stats)
 
     def batch_cap(self, state: StepState) -> int:
         try:
