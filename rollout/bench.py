@@ -146,7 +146,9 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
             if scheduler.split(":")[0] == "oracle":  # longest first keeps the cache full while the long ones run
                 requests = sorted(requests, key=lambda r: -r.output_tokens)
             lengths = [r.output_tokens for r in requests]
-            result = engine.generate([r.prompt for r in requests], progress=False, max_tokens=lengths)
+            # The policy is told the profile's cap, as a trainer's max_tokens; the lengths are the workload's.
+            result = engine.generate([r.prompt for r in requests], progress=False, max_tokens=lengths,
+                                     nominal_max_tokens=profile.max_output)
             s = result.summary
             kv_capacity_tokens = s.get("kv_capacity_tokens")
             requested += sum(lengths)

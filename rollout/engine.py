@@ -145,23 +145,28 @@ class RolloutEngine:
         # vLLM's metrics are process-wide and cumulative across generate() calls: callers take differences.
         return sum(getattr(metric, "value", 0) for metric in self.llm.get_metrics() if metric.name == name)
 
-    def sampling_params(self, seed: int, length_scale: float = 1.0):
+    def sampling_params(self, seed: int, length_scale: float = 1.0, nominal_max_tokens: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from rollout.vllm_adapter import LENGTH_SCALE_KEY
+        from rollout.vllm_adapter import LENGTH_SCALE_KEY, NOMINAL_MAX_TOKENS_KEY
 
         s = self.cfg.sampling
+        extra = {LENGTH_SCALE_KEY: length_scale} if length_scale != 1.0 else {}
+        if nominal_max_tokens is not None:
+            extra[NOMINAL_MAX_TOKENS_KEY] = nominal_max_tokens
         return SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                               seed=seed if self.per_request_seeds else None, logprobs=s.logprobs,
                               ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,
-                              extra_args={LENGTH_SCALE_KEY: length_scale} if length_scale != 1.0 else None)
+                              extra_args=extra or None)
 
     def generate(self, prompts: list[Prompt], progress: bool = True, max_tokens: list[int] | None = None,
-                 done: dict | None = None, sink=None, sink_every_s: float = 0.5) -> GenerationResult:
+                 done: dict | None = None, sink=None, sink_every_s: float = 0.5,
+                 nominal_max_tokens: int | None = None) -> GenerationResult:
         """n samples for every prompt.
 
-        max_tokens: one limit per prompt, over the configured one. done: samples already durable, keyed by
+        max_tokens: one limit per prompt, over the configured one. nominal_max_tokens: the limit the policy is
+        told instead (benchmarks impose true lengths through max_tokens; a policy must not read them). done: samples already durable, keyed by
         (prompt id, sample index); they are not generated again. sink(records): called with finished samples
         in batches (at least every `sink_every_s` seconds and at the end, also on Ctrl-C) to make them durable.
         """
@@ -188,7 +193,8 @@ class RolloutEngine:
             for sample in range(n):
                 if (prompt.prompt_id, sample) in done:
                     continue
-                params = self.sampling_params(self.cfg.sampling.seed + index * n + sample, float(scales[index]))
+                params = self.sampling_params(self.cfg.sampling.seed + index * n + sample, float(scales[index]),
+                                              nominal_max_tokens)
                 if max_tokens is not None:
                     params.max_tokens = max_tokens[index]
                 engine.add_request(f"{index}:{sample}", {"prompt_token_ids": prompt.token_ids}, params)

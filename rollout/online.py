@@ -194,16 +194,19 @@ class OnlineServer:
         self.loop.close()
 
     def serve(self, prompts: list[list[int]], lengths: list[int], rate_qps: float, count: int, seed: int,
-              deadline_s: float) -> dict:
+              deadline_s: float, nominal_max_tokens: int | None = None) -> dict:
         """`count` requests (cycling through the pool) at Poisson rate `rate_qps`. Requests not finished
-        `deadline_s` after the last arrival are aborted; the trial then reports fewer completed."""
-        return self.loop.run_until_complete(self._serve(prompts, lengths, rate_qps, count, seed, deadline_s))
+        `deadline_s` after the last arrival are aborted; the trial then reports fewer completed. The lengths
+        are imposed through max_tokens; the policy is told `nominal_max_tokens` instead, where given."""
+        return self.loop.run_until_complete(self._serve(prompts, lengths, rate_qps, count, seed, deadline_s,
+                                                        nominal_max_tokens))
 
-    async def _serve(self, prompts, lengths, rate_qps, count, seed, deadline_s) -> dict:
+    async def _serve(self, prompts, lengths, rate_qps, count, seed, deadline_s, nominal_max_tokens) -> dict:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         from rollout.engine import TraceReader
+        from rollout.vllm_adapter import NOMINAL_MAX_TOKENS_KEY
 
         self.trials += 1
         trace = TraceReader(self.trace_path)
@@ -218,7 +221,8 @@ class OnlineServer:
             await asyncio.sleep(max(0.0, arrivals[i] - time.monotonic()))
             j = i % len(prompts)
             params = SamplingParams(max_tokens=lengths[j], ignore_eos=True, temperature=1.0,
-                                    output_kind=RequestOutputKind.DELTA)
+                                    output_kind=RequestOutputKind.DELTA, extra_args=None if nominal_max_tokens is None
+                                    else {NOMINAL_MAX_TOKENS_KEY: nominal_max_tokens})
             async for out in self.engine.generate({"prompt_token_ids": prompts[j]}, params,
                                                   f"t{self.trials}-{i}"):
                 k = len(out.outputs[0].token_ids)
@@ -315,11 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     for scheduler in capacity.schedulers:
         server = OnlineServer(run_config(capacity, scheduler, model), work / scheduler)
         try:
-            server.serve(prompts, lengths, capacity.start_qps * 4, 16, capacity.seed + 1, 60.0)  # warm-up
+            cap = capacity.workload.max_output
+            server.serve(prompts, lengths, capacity.start_qps * 4, 16, capacity.seed + 1, 60.0, cap)  # warm-up
 
             def measure(rate: float) -> dict:
                 count = max(capacity.min_requests, round(rate * capacity.trial_s))
-                m = server.serve(prompts, lengths, rate, count, capacity.seed, deadline)
+                m = server.serve(prompts, lengths, rate, count, capacity.seed, deadline, cap)
                 line = {"scheduler": scheduler, "rate_qps": round(rate, 3), **m}
                 print(json.dumps(line), flush=True)
                 with (out / "trials.jsonl").open("a") as f:  # every trial survives a kill

@@ -44,6 +44,9 @@ PROMPT, MAX_TOKENS, GROUP, SHARED, SCALE = range(5)
 
 
 LENGTH_SCALE_KEY = "rollout_length_scale"
+# The benchmarks impose each request's true length through max_tokens (with ignore_eos): they set this to the
+# limit a trainer would have given, which is all the policy is told (the oracle reads the true one).
+NOMINAL_MAX_TOKENS_KEY = "rollout_nominal_max_tokens"
 PASS_PRIOR_FILE = "pass_prior.json"  # beside the trace: the driver's expected lengths for the next pass
 
 
@@ -52,6 +55,12 @@ def length_scale(request) -> float:
     SamplingParams.extra_args from its per-prompt memory; 1.0 when none was given."""
     extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
     return float(extra.get(LENGTH_SCALE_KEY, 1.0)) if extra else 1.0
+
+
+def nominal_max_tokens(request) -> int:
+    """The max_tokens the policy sees: the request's own, unless the driver set a nominal one (benchmarks)."""
+    extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
+    return int(extra.get(NOMINAL_MAX_TOKENS_KEY, request.max_tokens)) if extra else request.max_tokens
 
 
 def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_out: str | None,
@@ -131,7 +140,7 @@ class _DynamicBatchMixin:
         self._pending += 1
         self._scaled = self._scaled or length_scale(request) != 1.0
         self._pending_prompt_tokens += request.num_prompt_tokens
-        self._pending_max_tokens += request.max_tokens
+        self._pending_max_tokens += nominal_max_tokens(request)
         group, shared = -1, 0
         if self._share_prompts and request.prompt_token_ids is not None:
             group = self._groups.setdefault(hash(tuple(request.prompt_token_ids)), len(self._groups))
@@ -153,7 +162,7 @@ class _DynamicBatchMixin:
         # Every finish (stop, length, abort of a stop string) passes here once.
         self._pending -= 1
         self._pending_prompt_tokens -= request.num_prompt_tokens
-        self._pending_max_tokens -= request.max_tokens
+        self._pending_max_tokens -= nominal_max_tokens(request)
         self._finished += 1
         row = self._row.get(request.request_id)
         group = -1 if row is None else int(self._columns[row, GROUP])

@@ -90,3 +90,23 @@ def test_statistics_persist_across_generate_calls(tight_runs):
     assert again.trace[0]["stats_count"] == len(prompts)
     assert again.summary["length_stats"]["count"] == len(prompts) + 8
     assert [r["completion_tokens"] for r in again.records] == lengths[:8]
+
+
+def test_the_policy_is_told_the_nominal_max_tokens_not_the_imposed_lengths(tiny_model, tmp_path):
+    """Benchmarks impose each request's length through max_tokens; the adapter tells the policy the nominal
+    limit instead, or Algorithm 1's cold start (every request as long as the mean max_tokens) knows the lengths."""
+    from rollout.data import Prompt
+
+    cfg = tight_config(tiny_model, "memory")
+    cfg.policy.min_observations = 10_000  # the cold start throughout
+    prompts = [Prompt(prompt_id=f"p{i}", text="", token_ids=list(range(10, 42))) for i in range(96)]
+    with RolloutEngine(cfg, tmp_path) as engine:
+        told_lengths = engine.generate(prompts, progress=False, max_tokens=[8] * 96)
+        told_nominal = engine.generate(prompts, progress=False, max_tokens=[8] * 96, nominal_max_tokens=1000)
+    # Each request's worst-case demand in 128-token blocks, at the steps that sized the cap (requests waiting
+    # and running): 32 + 8 tokens is one block, 32 + 1,000 nine; 24 blocks then hold two such requests.
+    demand = [{s["mean_demand_blocks"] for s in r.trace if s.get("waiting") and s.get("running")}
+              for r in (told_lengths, told_nominal)]
+    assert demand == [{1}, {9}], demand
+    assert max(s["cap"] for s in told_nominal.trace[5:]) <= 3
+    assert told_nominal.summary["generated_tokens"] == 96 * 8  # the imposed lengths still hold

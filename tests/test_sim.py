@@ -197,3 +197,18 @@ def test_fit_prices_steps_past_the_largest_graph_apart(tmp_path):
     assert fitted.base == pytest.approx(0.008, rel=1e-3) and error < 1e-6
     blind, _ = fit_step_time(step_rows(path), per_kv_token=0.0)  # one line through both sides of the edge
     assert blind.per_eager_step == 0.0 and blind.per_seq > 2 * 3e-5  # the edge read as a cost per request
+
+
+def test_the_policy_is_told_the_nominal_max_tokens_not_the_imposed_lengths():
+    # Requests of 8 tokens: told their own max_tokens, Algorithm 1's cold start (every request as long as the
+    # mean max_tokens) fits them all; told a trainer's limit of 1,000, it fits what 1,032 tokens each allow.
+    requests = [(32, 8)] * 100
+    kwargs = dict(kv_capacity_blocks=512, block_size=16, max_num_seqs=64, token_budget=4096, step_time=MODEL,
+                  keep_trace=True)
+
+    def first_cap(**extra):
+        policy = make_policy({"name": "memory", "b_max": 64, "eps_m": 0.05, "min_observations": 1000})
+        return simulate(requests, policy, **kwargs, **extra).trace[0][2]
+
+    assert first_cap() == 64
+    assert first_cap(nominal_max_tokens=1000) < 8  # 512 * 16 / (32 + 1000) less the safety buffer

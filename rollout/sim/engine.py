@@ -86,9 +86,10 @@ class SimResult:
 
 def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
              token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
-             prior_lengths=None, share_prompts: bool = True) -> SimResult:
+             prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None) -> SimResult:
     """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group]]), in arrival order) to
-    completion under `policy`."""
+    completion under `policy`. `nominal_max_tokens`: the max_tokens the policy is told, as the benchmark tells
+    the adapter (None: each request's own length, a request whose max_tokens is its length)."""
     waiting = deque(SimRequest(*r, row=k) for k, r in enumerate(requests))
     policy.start_pass(prior_lengths)
     running: list[SimRequest] = []
@@ -109,7 +110,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
 
     clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
     pending_prompt = sum(r[0] for r in requests)
-    pending_max = sum(r[1] for r in requests)
+    pending_max = sum(nominal_max_tokens or r[1] for r in requests)
     trace = []
     # As the adapter: group columns only when some prompt has several samples.
     groups = [r.group for r in waiting if r.group is not None]
@@ -203,7 +204,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 running.remove(r)
                 free += release(r)
                 pending_prompt -= r.prompt_tokens
-                pending_max -= r.output_tokens
+                pending_max -= nominal_max_tokens or r.output_tokens
                 policy.observe_finished(r.prompt_tokens, r.output_tokens, r.length_scale,
                                         -1 if r.group is None else r.group, r.row)
         if keep_trace:

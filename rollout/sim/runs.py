@@ -60,7 +60,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                           policy,
                           kv_capacity_blocks=kv_capacity_tokens // block_size, block_size=block_size,
                           max_num_seqs=int(settings["b_max"]), token_budget=token_budget, step_time=step_time,
-                          prior_lengths=prior)
+                          prior_lengths=prior, nominal_max_tokens=profile.max_output)
         by_prompt: dict[str, list[int]] = {}
         for key, r in zip(keys, requests):
             by_prompt.setdefault(key, []).append(r.output_tokens)
