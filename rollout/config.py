@@ -95,13 +95,16 @@ class PolicyConfig:
     sla_chunk_min_tokens: int = 32
     sla_chunk_relax_tokens: float = 64.0
     sla_chunk_hold_tokens: float = 32.0
-    # forecast: finished lengths needed before the estimate rests on them alone, and the weight of each earlier
-    # pass's length when a new pass starts. Until then (cold start): gamma = a gamma prior (this shape, mean of
-    # the requests' max_tokens) stands in for the missing lengths; memory = Algorithm 1's worst case.
-    forecast_after: int = 32
+    # forecast: finished lengths (a prompt's samples counting once) needed before the estimate rests on them
+    # alone, and the weight of each earlier pass's length when a new pass starts. Until then (cold start):
+    # gamma = a gamma prior (this shape, mean of the requests' max_tokens) stands in for the missing lengths;
+    # memory = Algorithm 1's worst case.
+    forecast_after: int = 8
     forecast_carry_over: float = 0.05
     forecast_cold_start: str = "gamma"  # gamma | memory
     forecast_cold_start_shape: float = 3.0
+    # Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).
+    forecast_tail_confidence: float = 1.5
     # Narrow the forecast's margin while nothing is preempted and admissions wait, widen it on preemption.
     forecast_margin_feedback: bool = False
     # Sibling updates: within a pass, a group's finished samples (and its running ones' output so far) move
@@ -197,6 +200,8 @@ def validate(cfg: RunConfig) -> None:
          f"policy.forecast_cold_start must be gamma or memory, got {p.forecast_cold_start!r}")
     need(p.forecast_cold_start_shape > 0,
          f"policy.forecast_cold_start_shape must be > 0, got {p.forecast_cold_start_shape}")
+    need(p.forecast_tail_confidence >= 0,
+         f"policy.forecast_tail_confidence must be >= 0, got {p.forecast_tail_confidence}")
     need(cfg.model.data_parallel_size >= 1,
          f"model.data_parallel_size must be >= 1, got {cfg.model.data_parallel_size}")
     need(cfg.model.device_ids is None or len(cfg.model.device_ids) >= cfg.model.data_parallel_size,

@@ -329,6 +329,66 @@ def test_the_weighted_censored_fit_is_scipys_maximum_likelihood():
     assert fitted[0] > finished.mean()  # the censored ones pull the mean up: finished alone are the short ones
 
 
+def test_the_fits_standard_errors_are_the_textbook_ones_without_censoring_and_grow_with_it():
+    from rollout.policy.forecast import censored_normal_fit
+
+    rng = np.random.default_rng(5)
+    sample = np.round(rng.normal(5.0, 0.8, 2000), 2)
+    values, weights = np.unique(sample, return_counts=True)
+    none = np.array([])
+    mean, sd, se_mean, se_log_sd = censored_normal_fit(values, weights.astype(float), none, none,
+                                                       standard_errors=True)
+    assert se_mean == pytest.approx(sd / np.sqrt(2000), rel=0.02)
+    assert se_log_sd == pytest.approx(1 / np.sqrt(2 * 2000), rel=0.02)
+    # The same count with most of it censored at 5.5 (known only to run longer): less is known.
+    finished = sample[sample <= 5.5]
+    values, weights = np.unique(finished, return_counts=True)
+    censored = np.array([5.5])
+    _, _, se_censored, _ = censored_normal_fit(values, weights.astype(float), censored,
+                                               np.array([float(len(sample) - len(finished))]), standard_errors=True)
+    assert se_censored > 1.05 * se_mean
+
+
+def test_the_tail_leans_long_by_its_uncertainty_less_as_lengths_come_in():
+    rng = np.random.default_rng(6)
+    sample = rng.lognormal(np.log(1500), 0.9, 4000)
+
+    def log_means(finished: int) -> tuple[float, float]:
+        fits = []
+        for confidence in (0.0, 1.5):
+            lengths = CensoredLengths(bin_tokens=16, tail_confidence=confidence)
+            done = np.sort(sample[:finished + 200])[:finished]  # the first to finish are the short ones
+            for n in done:
+                lengths.observe(float(n))
+            lengths.reach(np.full(200, done.max() + 32))  # 200 still running, past every finished one
+            fits.append(lengths._tail_fit[1])
+        return fits[0], fits[1]
+
+    few, many = log_means(16), log_means(1000)
+    assert few[1] > few[0] + 0.05 and many[1] > many[0]
+    assert few[1] - few[0] > 3 * (many[1] - many[0])
+
+
+def test_a_groups_samples_count_once_before_the_estimate_rests_on_the_data():
+    # Eight samples of one prompt, all short, finish first: one observation of its difficulty, not eight.
+    policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_after": 8})
+    state = cold_state()
+    for row in range(8):
+        policy.observe_finished(100, 60 + row, group=0, row=row)
+    assert policy._observed() == 1 and policy.lengths.design_effect == 8
+    assert policy._estimate(state) is not policy.lengths  # the prior still weighs 7 of 15
+    for group in range(1, 8):
+        policy.observe_finished(100, 60, group=group, row=7 + group)
+    assert policy._observed() == 8 and policy._estimate(state) is policy.lengths
+    assert policy.lengths.design_effect == 15 / 8
+    ungrouped = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_after": 8})
+    for row in range(8):
+        ungrouped.observe_finished(100, 60 + row)
+    assert ungrouped._observed() == 8 and ungrouped.lengths.design_effect == 1
+    policy.start_pass()
+    assert policy.lengths.design_effect == 1 and policy._observed() == pytest.approx(15 * 0.05)
+
+
 def test_forecasting_the_queue_a_prefix_at_a_time_gives_the_whole_queues_answer(monkeypatch):
     import rollout.policy.forecast as forecast
 

@@ -85,17 +85,18 @@ def grpo_passes(siblings: bool, seed: int):
         requests = [(len(r.prompt.token_ids), r.output_tokens, 1.0, r.group)
                     for r in profile_requests(profile, iteration, seed=seed)]
         results.append(simulate(requests, policy, kv_capacity_blocks=1024, block_size=16, max_num_seqs=512,
-                                token_budget=4096, step_time=MODEL))
+                                token_budget=4096, step_time=MODEL, nominal_max_tokens=profile.max_output))
         assert results[-1].generated_tokens == sum(r[1] for r in requests)
     return results
 
 
 def test_simulated_grpo_groups_finish_sooner_with_sibling_updates():
-    # Submission order, no per-prompt memory: what siblings say is all that tells the groups apart.
-    for seed in (0, 2):
-        plain, informed = grpo_passes(False, seed), grpo_passes(True, seed)
-        assert sum(r.makespan_s for r in informed) < 0.97 * sum(r.makespan_s for r in plain)
-        assert sum(r.recomputed_tokens for r in informed) <= 0.01 * sum(r.generated_tokens for r in informed)
+    # Submission order, no per-prompt memory: what siblings say is all that tells the groups apart. Six seeds
+    # of 384 requests a pass: 2-8% sooner each, by seed.
+    plain = [r for seed in range(6) for r in grpo_passes(False, seed)]
+    informed = [r for seed in range(6) for r in grpo_passes(True, seed)]
+    assert sum(r.makespan_s for r in informed) < 0.97 * sum(r.makespan_s for r in plain)
+    assert sum(r.recomputed_tokens for r in informed) <= 0.01 * sum(r.generated_tokens for r in informed)
 
 
 @pytest.mark.engine

@@ -379,10 +379,11 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
     if name == "forecast":
         from rollout.policy.forecast import ForecastPolicy
 
-        return ForecastPolicy(forecast_after=int(settings.get("forecast_after", 32)),
+        return ForecastPolicy(forecast_after=int(settings.get("forecast_after", 8)),
                               cold_start=str(settings.get("forecast_cold_start", "gamma")),
                               cold_start_shape=float(settings.get("forecast_cold_start_shape", 3.0)),
                               carry_over=float(settings.get("forecast_carry_over", 0.05)),
                               margin_feedback=bool(settings.get("forecast_margin_feedback", False)),
-                              siblings=bool(settings.get("forecast_siblings", True)), **memory)
+                              siblings=bool(settings.get("forecast_siblings", True)),
+                              tail_confidence=float(settings.get("forecast_tail_confidence", 1.5)), **memory)
     return POLICIES[name](**memory)
