@@ -166,9 +166,10 @@ class RolloutEngine:
         """n samples for every prompt.
 
         max_tokens: one limit per prompt, over the configured one. nominal_max_tokens: the limit the policy is
-        told instead (benchmarks impose true lengths through max_tokens; a policy must not read them). done: samples already durable, keyed by
-        (prompt id, sample index); they are not generated again. sink(records): called with finished samples
-        in batches (at least every `sink_every_s` seconds and at the end, also on Ctrl-C) to make them durable.
+        told instead (benchmarks impose true lengths through max_tokens; a policy must not read them). done:
+        samples already durable, keyed by (prompt id, sample index); they are not generated again. sink(records):
+        called with finished samples in batches (at least every `sink_every_s` seconds and at the end, also on
+        Ctrl-C) to make them durable.
         """
         from tqdm import tqdm
 

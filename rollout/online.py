@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     model = benchmark_model(capacity.model, work, capacity.vocab_size)
     prompts = [r.prompt.token_ids for r in requests]
     lengths = [r.output_tokens for r in requests]
+    cap = capacity.workload.max_output  # what the policy is told as max_tokens; `lengths` are imposed
     stat = "tbt_p99_ms" if capacity.criterion == "p99" else "tbt_mean_ms"
     # Past the last arrival, a request within the bound needs at most its queue delay plus its tokens at D_SLA.
     deadline = 2 * capacity.max_queue_delay_s + 2 * max(lengths) * capacity.d_sla_ms / 1e3
@@ -319,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     for scheduler in capacity.schedulers:
         server = OnlineServer(run_config(capacity, scheduler, model), work / scheduler)
         try:
-            cap = capacity.workload.max_output
             server.serve(prompts, lengths, capacity.start_qps * 4, 16, capacity.seed + 1, 60.0, cap)  # warm-up
 
             def measure(rate: float) -> dict:

@@ -50,17 +50,21 @@ NOMINAL_MAX_TOKENS_KEY = "rollout_nominal_max_tokens"
 PASS_PRIOR_FILE = "pass_prior.json"  # beside the trace: the driver's expected lengths for the next pass
 
 
+def _extra_arg(request, key: str, default):
+    """What the driver set under `key` in the request's SamplingParams.extra_args, else `default`."""
+    extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
+    return extra.get(key, default) if extra else default
+
+
 def length_scale(request) -> float:
     """The predicted output length of a request's prompt relative to the average, set by the driver in
     SamplingParams.extra_args from its per-prompt memory; 1.0 when none was given."""
-    extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
-    return float(extra.get(LENGTH_SCALE_KEY, 1.0)) if extra else 1.0
+    return float(_extra_arg(request, LENGTH_SCALE_KEY, 1.0))
 
 
 def nominal_max_tokens(request) -> int:
     """The max_tokens the policy sees: the request's own, unless the driver set a nominal one (benchmarks)."""
-    extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
-    return int(extra.get(NOMINAL_MAX_TOKENS_KEY, request.max_tokens)) if extra else request.max_tokens
+    return int(_extra_arg(request, NOMINAL_MAX_TOKENS_KEY, request.max_tokens))
 
 
 def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_out: str | None,

@@ -73,7 +73,7 @@ def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.nd
     hess[0, 1] = hess[1, 0] = (nll(x + e0 + e1) - nll(x + e0 - e1) - nll(x - e0 + e1) + nll(x - e0 - e1)) / (4 * h * h)
     try:
         cov = np.linalg.inv(hess)
-        se = np.sqrt(np.maximum(np.diag(cov), 0.0)) if np.all(np.diag(cov) > 0) else np.zeros(2)
+        se = np.sqrt(np.diag(cov)) if np.all(np.diag(cov) > 0) else np.zeros(2)
     except np.linalg.LinAlgError:
         se = np.zeros(2)
     return float(x[0]), float(np.exp(x[1])), float(se[0]), float(se[1])
