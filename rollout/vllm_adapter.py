@@ -118,6 +118,7 @@ class _DynamicBatchMixin:
         self._pending = 0
         self._pending_prompt_tokens = 0
         self._pending_max_tokens = 0
+        self._max_tokens_bound = 0  # the pass's largest max_tokens: no request outputs more
         self._scaled = False  # some request carried a predicted length scale
         # Prefix caching shares a prompt's full blocks among the requests that carry it (GRPO's n samples):
         # each request's group (its prompt) and prompt tokens in full blocks, for the policy to count them once.
@@ -139,12 +140,14 @@ class _DynamicBatchMixin:
     def add_request(self, request) -> None:
         if self._pending == 0:  # requests arrive at an idle engine: a new pass (RL iteration)
             self.batch_policy.start_pass(self._read_prior())
+            self._max_tokens_bound = 0
         super().add_request(request)
         self._output_lists = self._output_lists and isinstance(getattr(request, "_output_token_ids", None), list)
         self._pending += 1
         self._scaled = self._scaled or length_scale(request) != 1.0
         self._pending_prompt_tokens += request.num_prompt_tokens
         self._pending_max_tokens += nominal_max_tokens(request)
+        self._max_tokens_bound = max(self._max_tokens_bound, nominal_max_tokens(request))
         group, shared = -1, 0
         if self._share_prompts and request.prompt_token_ids is not None:
             group = self._groups.setdefault(hash(tuple(request.prompt_token_ids)), len(self._groups))
@@ -187,6 +190,7 @@ class _DynamicBatchMixin:
             kv_free_blocks=round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks),
             pending_prompt_tokens_mean=self._pending_prompt_tokens / max(self._pending, 1),
             pending_max_tokens_mean=self._pending_max_tokens / max(self._pending, 1),
+            max_tokens_bound=self._max_tokens_bound,
         )
         describe_cpu_us = None
         if self.batch_policy.wants_requests(state):

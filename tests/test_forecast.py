@@ -120,6 +120,19 @@ def test_gamma_cold_start_forecasts_with_a_prior_of_the_max_tokens_mean():
     assert policy.batch_cap(state) > 4 * cap
 
 
+def test_no_request_is_forecast_to_run_past_the_max_tokens():
+    # vLLM stops a request at its max_tokens; a fitted lognormal's tail (and the cold start's prior) runs past it.
+    lengths = CensoredLengths()
+    for n in range(100, 1100, 10):
+        lengths.observe(n)  # a tail past 1,100 only from the lognormal fit
+    running = dict(running_tokens=np.array([100 + 1400]), running_generated=np.array([1400]))
+    waiting = dict(waiting_tokens=np.full(100, 100), waiting_generated=np.zeros(100, int))
+    admitted = [expected_demand_admissions(running["running_tokens"], running["running_generated"],
+                                           waiting["waiting_tokens"], waiting["waiting_generated"], lengths,
+                                           12_000, 16, 1.645, max_output=bound) for bound in (0, 1500)]
+    assert admitted[1] > admitted[0], admitted
+
+
 def test_simulated_long_outputs_start_sooner_with_the_gamma_cold_start():
     # Long, spread-out outputs, KV enough for all at once: Algorithm 1's cold start (every request as long as
     # the mean, all at once) holds back requests that fit; the longest ones then start late.

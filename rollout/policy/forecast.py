@@ -446,7 +446,7 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
                                waiting_scale: np.ndarray | None = None, running_group: np.ndarray | None = None,
                                waiting_group: np.ndarray | None = None, running_shared: np.ndarray | None = None,
                                waiting_shared: np.ndarray | None = None, informed: Informed | None = None,
-                               with_margin: bool = False):
+                               with_margin: bool = False, max_output: int = 0):
     """How many waiting requests (a prefix, in queue order) fit: at every future time (in bins of output
     tokens), the expected KV demand of running and admitted requests plus theta standard deviations stays
     within the cache. A request holding c tokens demands c + t (plus a partly used block) at t steps ahead if it
@@ -456,7 +456,8 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     admitted demand comes closest to the cache (the forecast's counterpart of Algorithm 1's safety buffer), and
     by how many tokens the first request not admitted overshoots it. `informed`: rows (running, then waiting)
     whose estimate their group's finished samples moved (see SiblingLengths). The `Admission` also tells
-    where the first request not admitted overshoots (`Overshoot`), for the policy to know when to look again."""
+    where the first request not admitted overshoots (`Overshoot`), for the policy to know when to look again.
+    `max_output` (0: none): the requests' max_tokens, past which none runs whatever the estimate says."""
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
     sharing = running_shared is not None and waiting_shared is not None
     own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
@@ -483,11 +484,16 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         end = len(reach) * lengths.bin_tokens
         longest = max(longest, float(_from_estimate(end, scale, informed).max(initial=0.0)) / end)
     span = int(np.ceil(len(reach) * longest)) + 2
+    if max_output:
+        span = min(span, -(-max_output // lengths.bin_tokens) + 2)
     stride = -(-span // MAX_POINTS)
     horizon = -(-span // stride) + 1
     steps = stride * np.arange(horizon) * lengths.bin_tokens
     tokens = np.concatenate([running_tokens, waiting_tokens]).astype(float)
     alive = _alive(bins, reach, _ahead(generated, steps, lengths.bin_tokens, scale, informed))
+    if max_output:
+        # The estimate's tail (a lognormal fit, the cold start's prior) runs past max_tokens; vLLM stops there.
+        alive[generated[:, None] + steps[None, :] >= max_output] = 0.0
     if sharing:
         shared = np.concatenate([running_shared, waiting_shared]).astype(float)
         group = np.concatenate([running_group, waiting_group])
@@ -786,7 +792,8 @@ class ForecastPolicy(MemoryPolicy):
             state.running_tokens, state.running_generated, state.waiting_tokens, state.waiting_generated,
             self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size, theta,
             state.running_scale, state.waiting_scale, state.running_group, state.waiting_group,
-            state.running_shared, state.waiting_shared, informed=informed, with_margin=True)
+            state.running_shared, state.waiting_shared, informed=informed, with_margin=True,
+            max_output=state.max_tokens_bound)
         self.margin_blocks = margin_tokens / state.block_size
         self.admitted_last = admit
         self._running_at_forecast = state.num_running

@@ -29,6 +29,8 @@ class StepState:
     # Cold-start demand estimate from requests not yet finished, in tokens.
     pending_prompt_tokens_mean: float = 0.0
     pending_max_tokens_mean: float = 0.0
+    # The largest max_tokens among the pass's requests (0: not known): no request outputs more.
+    max_tokens_bound: int = 0
     # Per-request arrays (tokens held, tokens still to generate up to max_tokens), filled only for policies
     # that set `needs_requests`; waiting requests in queue order, at most the cap's headroom of them (and the
     # policy's `waiting_limit`).

@@ -111,6 +111,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
     pending_prompt = sum(r[0] for r in requests)
     pending_max = sum(nominal_max_tokens or r[1] for r in requests)
+    max_tokens_bound = nominal_max_tokens or max((r[1] for r in requests), default=0)
     trace = []
     # As the adapter: group columns only when some prompt has several samples.
     groups = [r.group for r in waiting if r.group is not None]
@@ -119,7 +120,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         pending = len(waiting) + len(running)
         state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
                           block_size=block_size, kv_free_blocks=free, pending_prompt_tokens_mean=pending_prompt / pending,
-                          pending_max_tokens_mean=pending_max / pending)
+                          pending_max_tokens_mean=pending_max / pending, max_tokens_bound=max_tokens_bound)
         if policy.wants_requests(state):
             state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
             state.running_remaining = np.array([r.output_tokens - r.generated for r in running], dtype=np.int64)
