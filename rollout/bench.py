@@ -138,6 +138,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     cfg = run_config(bench, profile, scheduler, model)
     requested = generated = 0
     wall = preemptions = recomputed = 0.0
+    per_pass = []  # tok/s of each iteration: later passes start from the lengths the earlier ones carried
     kv_capacity_tokens = None
     trace: list[dict] = []
     with RolloutEngine(cfg, workdir) as engine:
@@ -154,6 +155,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
             requested += sum(lengths)
             generated += s["generated_tokens"]
             wall += s["wall_time_s"]
+            per_pass.append(round(s["generated_tokens"] / s["wall_time_s"], 1))
             preemptions += s["preemptions"]
             recomputed += s.get("recomputed_tokens") or 0
             if result.trace:  # iterations laid end to end on one time axis
@@ -165,6 +167,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     return {
         "profile": profile.name, "scheduler": scheduler, "requested_tokens": requested,
         "generated_tokens": generated, "makespan_s": round(wall, 3), "tokens_per_s": round(generated / wall, 1),
+        "per_iteration_tokens_per_s": per_pass,
         "preemptions": int(preemptions), "recomputed_tokens": int(recomputed) if trace else None,
         "recomputed_fraction": round(recomputed / generated, 4) if trace else None,
         "mean_running": round(statistics.mean(s["running"] for s in trace), 1) if trace else None,
@@ -201,8 +204,8 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
         r["scheduler"] == "vllm" for r in rows) else None
     lines = [f"### {profile}", "",
              "| scheduler | tok/s median (min-max) | vs vllm | makespan s | preemptions | recomputed % | "
-             "mean running | KV use | drain tail | policy % of step (CPU) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "mean running | KV use | drain tail | policy % of step (CPU) | tok/s per iteration |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def med(runs, key, fmt, scale=1.0):
         values = [r[key] * scale for r in runs if r.get(key) is not None]  # older results lack newer keys
@@ -213,6 +216,8 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
         if not runs:
             continue
         tps = [r["tokens_per_s"] for r in runs]
+        passes = [r["per_iteration_tokens_per_s"] for r in runs if r.get("per_iteration_tokens_per_s")]
+        per_pass = " / ".join(f"{statistics.median(v):.0f}" for v in zip(*passes)) if passes else "-"
         ratio = f"{statistics.median(tps) / base:.3f}" if base else "-"
         lines.append(
             f"| {name} | {statistics.median(tps):.0f} ({min(tps):.0f}-{max(tps):.0f}) | {ratio} | "
@@ -220,7 +225,8 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
             f"{med(runs, 'recomputed_fraction', '{:.2f}', 100)} | "
             f"{med(runs, 'mean_running', '{:.1f}')} | {med(runs, 'kv_usage_mean', '{:.2f}')} | "
             f"{med(runs, 'drain_tail_fraction', '{:.2f}')} | "
-            f"{med(runs, 'policy_time_fraction', '{:.3f}', 100)} ({med(runs, 'policy_cpu_fraction', '{:.3f}', 100)}) |")
+            f"{med(runs, 'policy_time_fraction', '{:.3f}', 100)} ({med(runs, 'policy_cpu_fraction', '{:.3f}', 100)}) | "
+            f"{per_pass} |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,9 @@ def test_cpu_benchmark_smoke(tmp_path):
     for r in runs:
         assert r["generated_tokens"] == r["requested_tokens"] > 0  # every imposed token, no more, no less
         assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["makespan_s"], rel=0.01)
+        passes = r["per_iteration_tokens_per_s"]  # the whole run's rate is a weighted mean of its passes'
+        assert len(passes) == (2 if r["profile"] == "grpo-groups" else 1), passes
+        assert min(passes) * 0.99 <= r["tokens_per_s"] <= max(passes) * 1.01
         if r["scheduler"] == "oracle":
             assert r["preemptions"] == 0 and r["recomputed_tokens"] == 0  # it knows the lengths: no preemption
         if r["scheduler"] != "vllm":
