@@ -70,14 +70,16 @@ def test_killed_runs_resume_exactly_once(tiny_model, prompt_set, tmp_path):
     rng = random.Random(7)
     total = NUM_PROMPTS * N
     seen = kills = 0
-    while kills < 2 or (seen == 0 and kills < 4):  # more kills only if one landed before the engine was up
-        returncode, log = run_for(cmd, out, rng.uniform(26, 40), signal.SIGKILL)
+    early = 0  # kills that landed before the engine was up: each next one waits longer (a slow machine's start)
+    while kills < 2 or (seen == 0 and kills < 6):
+        returncode, log = run_for(cmd, out, rng.uniform(26, 40) + 15 * early, signal.SIGKILL)
         kills += 1
         assert returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), log[-3000:]
         records = durable_lines(out)
         assert len(set(keys(records))) == len(records)  # nothing durable was generated a second time
         assert len(records) >= seen
         seen = len(records)
+        early += seen == 0
         assert seen < total, log[-3000:]  # the kill landed mid-run, leaving work for the resumed run
     assert 0 < seen < total
     assert not (out / "summary.json").exists()
