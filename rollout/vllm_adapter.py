@@ -146,8 +146,9 @@ class _DynamicBatchMixin:
         self._pending += 1
         self._scaled = self._scaled or length_scale(request) != 1.0
         self._pending_prompt_tokens += request.num_prompt_tokens
-        self._pending_max_tokens += nominal_max_tokens(request)
-        self._max_tokens_bound = max(self._max_tokens_bound, nominal_max_tokens(request))
+        max_tokens = nominal_max_tokens(request)
+        self._pending_max_tokens += max_tokens
+        self._max_tokens_bound = max(self._max_tokens_bound, max_tokens)
         group, shared = -1, 0
         if self._share_prompts and request.prompt_token_ids is not None:
             group = self._groups.setdefault(hash(tuple(request.prompt_token_ids)), len(self._groups))

@@ -125,11 +125,10 @@ def test_no_request_is_forecast_to_run_past_the_max_tokens():
     lengths = CensoredLengths()
     for n in range(100, 1100, 10):
         lengths.observe(n)  # a tail past 1,100 only from the lognormal fit
-    running = dict(running_tokens=np.array([100 + 1400]), running_generated=np.array([1400]))
-    waiting = dict(waiting_tokens=np.full(100, 100), waiting_generated=np.zeros(100, int))
-    admitted = [expected_demand_admissions(running["running_tokens"], running["running_generated"],
-                                           waiting["waiting_tokens"], waiting["waiting_generated"], lengths,
-                                           12_000, 16, 1.645, max_output=bound) for bound in (0, 1500)]
+    # One request 100 tokens short of a 1,500-token max_tokens, 100 waiting with nothing generated.
+    admitted = [expected_demand_admissions(np.array([100 + 1400]), np.array([1400]), np.full(100, 100),
+                                           np.zeros(100, int), lengths, 12_000, 16, 1.645, max_output=bound)
+                for bound in (0, 1500)]
     assert admitted[1] > admitted[0], admitted
 
 
