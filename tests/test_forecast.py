@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+import rollout.policy.forecast as forecast_module
 from rollout.policy import StepState, make_policy
 from rollout.policy.forecast import CensoredLengths, ForecastPolicy, expected_demand_admissions, survival_after
 from rollout.policy.oracle import oracle_admissions
@@ -192,8 +193,6 @@ def test_predicted_long_requests_admit_fewer():
 
 
 def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(monkeypatch):
-    import rollout.policy.forecast as forecast_module
-
     def step(running: int, described: bool = False) -> StepState:
         state = StepState(num_running=running, num_waiting=10, kv_capacity_blocks=30, block_size=16)
         if described:
@@ -235,9 +234,66 @@ def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(mo
     policy.observe_finished(16, 130)
     policy.observe_finished(16, 130)
     assert policy.freed_tokens > lacking and policy.wants_requests(step(1))
-    # A request that leaves without finishing (preempted) frees memory the policy was not told of.
+    # A request that leaves without finishing (preempted) frees memory the finishes do not count.
     forecast(policy, 4)
-    assert not policy.wants_requests(step(4)) and policy.wants_requests(step(3))
+    assert not policy.wants_requests(step(4))
+    policy.observe_preempted(40)
+    assert policy.wants_requests(step(3))
+
+
+def test_forecasts_that_the_estimates_move_called_for_and_admitted_nothing_wait_longer(monkeypatch):
+    """The estimate's move calls for a forecast after count * ESTIMATE_MOVE finishes; each that admitted nothing
+    doubles that (to ESTIMATE_WAIT_MAX times), and one that admits resets it."""
+    def step(running: int, described: bool = False) -> StepState:
+        state = StepState(num_running=running, num_waiting=10, kv_capacity_blocks=30, block_size=16)
+        if described:  # the cache is full now: nothing fits whatever the estimate says
+            state.running_tokens = np.full(running, 480 // running)
+            state.running_generated = np.full(running, 480 // running - 16)
+            state.waiting_tokens = np.full(10, 16)
+            state.waiting_generated = np.zeros(10, dtype=np.int64)
+        return state
+
+    monkeypatch.setattr(forecast_module, "ESTIMATE_MOVE", 0.05)
+    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+    for n in range(20):
+        policy.observe_finished(16, 100 + n)
+    assert policy.wants_requests(step(4)) and policy.batch_cap(step(4, described=True)) == 4
+    waited = []
+    for _ in range(4):
+        finishes = 0
+        while not policy.wants_requests(step(4)):
+            policy.observe_finished(0, 1)  # frees too little to matter; only the estimate moves
+            finishes += 1
+        waited.append(finishes)
+        assert policy.batch_cap(step(4, described=True)) == 4
+    # f finishes after c known call for one once f >= (c + f) * 0.05 * wait, wait = 1, 2, 4, 4.
+    assert waited == [2, 3, 7, 8]
+    # A forecast that admits resets the wait: 3 finishes (of 43 known) call for one again, not 9.
+    roomy = step(2, described=True)
+    roomy.running_tokens, roomy.running_generated = np.full(2, 40), np.full(2, 24)
+    assert policy.batch_cap(roomy) > 2
+    policy.observe_finished(0, 1)
+    policy.observe_finished(0, 1)
+    assert not policy.wants_requests(step(2))
+    policy.observe_finished(0, 1)
+    assert policy.wants_requests(step(2))
+
+
+def test_requests_a_forecast_admitted_stay_admitted_until_the_engine_schedules_them():
+    """The engine's token budget may schedule fewer than a forecast admitted: the cap keeps room for the rest
+    without forecasting again, and a forecast that had room for all it was shown looks again once they run."""
+    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+    for n in (10, 12, 14):
+        policy.observe_finished(16, n)
+    state = StepState(num_running=0, num_waiting=3, kv_capacity_blocks=1000, block_size=16,
+                      running_tokens=np.zeros(0), running_generated=np.zeros(0, dtype=np.int64),
+                      waiting_tokens=np.full(3, 16), waiting_generated=np.zeros(3, dtype=np.int64))
+    assert policy.wants_requests(state) and policy.batch_cap(state) == 3  # all three fit
+    one_scheduled = StepState(num_running=1, num_waiting=2, kv_capacity_blocks=1000, block_size=16)
+    assert not policy.wants_requests(one_scheduled)
+    assert policy.batch_cap(one_scheduled) == 3
+    all_scheduled = StepState(num_running=3, num_waiting=5, kv_capacity_blocks=1000, block_size=16)
+    assert policy.wants_requests(all_scheduled)
 
 
 def test_a_new_pass_keeps_earlier_lengths_at_a_low_weight_or_takes_the_drivers_prior():
@@ -536,5 +592,9 @@ def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():
                          kv_free_blocks=90_000)
     # A few finished: room for a few, not yet worth a forecast over a thousand running requests (nor a step
     # with prefill for them); the cap holds the running count meanwhile.
+    for _ in range(4):
+        policy.observe_finished(16, 200)
     assert not policy.wants_requests(running(1020)) and policy.batch_cap(running(1020)) == 1020
+    for _ in range(20):
+        policy.observe_finished(16, 200)
     assert policy.wants_requests(running(1000))
