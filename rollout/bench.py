@@ -46,6 +46,9 @@ class BenchConfig:
                                                       "oracle"])
     b_max: int = 1024  # max_num_seqs for memory, memory-clt and oracle
     eps_m: float = 0.05
+    # vLLM keeps a preempted request's blocks in its prefix cache until they are reused: off, every preemption
+    # recomputes in full (what the simulator assumes).
+    prefix_caching: bool = True
     reps: int = 3
     seed: int = 0
     vocab_size: int = 1000
@@ -110,7 +113,8 @@ def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
 def run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: str) -> RunConfig:
     max_len = bench.max_model_len or (int(profile.prompt_tokens * max(profile.scale, 1)) + profile.max_output + 16)
     model_cfg = {"path": model, "max_model_len": max_len, "dtype": bench.dtype if bench.gpu else "float32",
-                 "enforce_eager": not bench.gpu, "engine_kwargs": GPU_ENGINE if bench.gpu else {}}
+                 "enforce_eager": not bench.gpu, "engine_kwargs": GPU_ENGINE if bench.gpu else {},
+                 "enable_prefix_caching": bench.prefix_caching}
     for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
         if getattr(profile, key) is not None:
             model_cfg[key] = getattr(profile, key)

@@ -56,3 +56,11 @@ def test_a_scheduler_name_carries_policy_settings():
     result = subprocess.run([sys.executable, "-m", "rollout.bench", "--config", "configs/bench/cpu-smoke.yaml",
                              "schedulers=[forecast:siblings]"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "key=value" in result.stderr
+
+
+def test_prefix_caching_can_be_turned_off_for_the_runs():
+    from rollout.bench import load_bench_config, run_config
+
+    for overrides, expected in (([], True), (["prefix_caching=false"], False)):
+        bench = load_bench_config("configs/bench/cpu-smoke.yaml", overrides)
+        assert run_config(bench, bench.profiles[0], "vllm", "some/model").model.enable_prefix_caching is expected
