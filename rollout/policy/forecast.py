@@ -43,8 +43,8 @@ ESTIMATE_MOVE = 1 / 128
 HEADROOM_SHARE = 1 / 64
 # A forecast the estimate's move called for that admitted nothing doubles the finishes the next one waits for, up
 # to this factor (any admission resets it). 95-98% of those forecasts admitted nothing (simulator: kv-bound 158 of
-# 160, long-cot 198 of 202), and each cost ~1 ms of an H100 host's CPU. With 4, forecasts 285 -> 182 (kv-bound),
-# 223 -> 82 (long-cot), 413 -> 265 (real); throughput within +-0.4% by profile over 4-8 seeds.
+# 160, long-cot 198 of 202), and each cost ~1 ms of an H100 host's CPU. With 4, forecasts 285 -> 178 (kv-bound),
+# 223 -> 82 (long-cot), 413 -> 267 (real); throughput within +-0.4% by profile over 4-8 seeds.
 ESTIMATE_WAIT_MAX = 4
 
 
@@ -623,14 +623,14 @@ class ForecastPolicy(MemoryPolicy):
         self._free_at_forecast: int | None = None  # free KV blocks at the last forecast
         self.freed_mean, self.freed_var = 0.0, 0.0
         self.steps_since_forecast = 0
-        self._preempted_since_forecast = 0
+        # Preemptions since the last forecast: they free memory the finishes do not count (and widen the margin).
+        self.preempted_since_forecast = 0
         self._estimate_wait = 1
         self._estimate_forecast = False
         # Preemption feedback: theta is scaled down while forecasts admit nothing and nothing was preempted
         # for a while (the margin sits unused), and up after a preemption.
         self.margin_feedback = margin_feedback
         self.margin_scale = 1.0
-        self.preempted_since_forecast = 0
         self.quiet_forecasts = 0  # forecasts since the last preemption
         # Sibling updates: a group's finished samples move the estimate of its others within the pass.
         self.siblings = SiblingLengths() if siblings else None
@@ -658,7 +658,6 @@ class ForecastPolicy(MemoryPolicy):
 
     def observe_preempted(self, computed_tokens: int) -> None:
         self.preempted_since_forecast += 1
-        self._preempted_since_forecast += 1
 
     def _freed_at_overshoot(self) -> float:
         """How far the finishes since the last forecast lowered its overshoot: their shares of the mean, and of
@@ -677,7 +676,6 @@ class ForecastPolicy(MemoryPolicy):
             self.quiet_forecasts += 1
             if self.admitted_last == 0 and self.quiet_forecasts > MARGIN_QUIET_FORECASTS:
                 self.margin_scale = max(self.margin_scale * MARGIN_NARROW, MARGIN_SCALE_MIN)
-        self.preempted_since_forecast = 0
 
     def start_pass(self, prior: np.ndarray | None = None) -> None:
         """A new pass. `prior`: the driver's expectation of its lengths, in the units the requests' scales
@@ -743,7 +741,7 @@ class ForecastPolicy(MemoryPolicy):
         if self._running_at_forecast is not None and (
                 self.max_cap - state.num_running < state.num_running * HEADROOM_SHARE):
             return False
-        if self._running_at_forecast is None or self._preempted_since_forecast:
+        if self._running_at_forecast is None or self.preempted_since_forecast:
             # Running requests that left other than by finishing free memory the finishes do not count.
             return True
         if self.admitted_last and self._overshoot is None:
@@ -814,12 +812,12 @@ class ForecastPolicy(MemoryPolicy):
             state.running_shared, state.waiting_shared, informed=informed, with_margin=True,
             max_output=state.max_tokens_bound)
         self.margin_blocks = margin_tokens / state.block_size
-        if self._estimate_forecast:
-            self._estimate_wait = 1 if admit else min(self._estimate_wait * 2, ESTIMATE_WAIT_MAX)
-        elif admit:
+        if admit:
             self._estimate_wait = 1
+        elif self._estimate_forecast:
+            self._estimate_wait = min(self._estimate_wait * 2, ESTIMATE_WAIT_MAX)
         self._estimate_forecast = False
-        self._preempted_since_forecast = 0
+        self.preempted_since_forecast = 0
         self.admitted_last = admit
         self._running_at_forecast = state.num_running
         self._free_at_forecast = state.kv_free_blocks
