@@ -4,8 +4,8 @@ Every scheduler on every workload profile, interleaved (each repetition runs all
 one starts), in one process on one machine. Schedulers: "vllm" (vLLM untouched, its default max_num_seqs),
 "static-N" (our adapter with a fixed cap N = max_num_seqs), "memory" (Algorithm 1), "memory-clt", "forecast"
 (length-aware admission from censored length estimates), "forecast-lpt" (forecast with each prompt's
-predicted length from earlier iterations: longest first, and scaled estimates), and
-"oracle" (true lengths, longest first; a reference, not a policy one can deploy) and "oracle-fcfs" (the same
+predicted length from earlier iterations: longest first, and scaled estimates), and "oracle" (true lengths,
+longest first, a prompt's samples together; a reference, not a policy one can deploy) and "oracle-fcfs" (the same
 admission in submission order, which separates what admission and what order are worth).
 
 Writes results.json, results.md (a table per profile), throughput.png (median and spread per scheduler) and
@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rollout.config import ConfigError, RunConfig, validate
-from rollout.workloads import ProfileConfig, profile_requests
+from rollout.workloads import ProfileConfig, longest_first, profile_requests
 
 GPU_ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True,
               "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
@@ -149,7 +149,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         for iteration in range(profile.iterations):
             requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
             if scheduler.split(":")[0] == "oracle":  # longest first keeps the cache full while the long ones run
-                requests = sorted(requests, key=lambda r: -r.output_tokens)
+                requests = longest_first(requests)
             lengths = [r.output_tokens for r in requests]
             # The policy is told the profile's cap, as a trainer's max_tokens; the lengths are the workload's.
             result = engine.generate([r.prompt for r in requests], progress=False, max_tokens=lengths,

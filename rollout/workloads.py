@@ -85,3 +85,15 @@ def lognormal_workload(num_prompts: int, *, prompt_tokens: int = 32, median_outp
     prompts = [Prompt(prompt_id=f"w{i}", text="", token_ids=rng.integers(10, vocab_size, prompt_tokens).tolist())
                for i in range(num_prompts)]
     return prompts, lengths.tolist()
+
+
+def longest_first(requests: list[Request], by_group: bool = True) -> list[Request]:
+    """The oracle's submission order: longest true output first. `by_group`: a group's samples stay together,
+    groups ordered by their longest sample (sorting samples alone splits a prompt's samples apart, and each
+    then holds the prompt's blocks of its own instead of sharing them)."""
+    if not by_group:
+        return sorted(requests, key=lambda r: -r.output_tokens)
+    longest: dict[int, int] = {}
+    for r in requests:
+        longest[r.group] = max(longest.get(r.group, 0), r.output_tokens)
+    return sorted(requests, key=lambda r: (-longest[r.group], r.group, -r.output_tokens))

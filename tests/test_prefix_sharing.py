@@ -60,9 +60,11 @@ def grpo_requests(groups=12, samples=8, prompt=256, seed=0):
 
 
 def test_the_simulator_stores_and_computes_a_groups_prompt_once():
-    # One group: 8 samples of a 256-token prompt (16 blocks), 10 output tokens each. Shared: 16 + 8 blocks.
+    # One group: 8 samples of a 256-token prompt (16 blocks), 10 output tokens each. Shared: the first 15
+    # blocks; each sample holds the 16th of its own (vLLM recomputes a prompt's last token) and one for its
+    # output: 15 + 8 x 2 = 31 blocks.
     requests = [(256, 10, 1.0, 0)] * 8
-    kwargs = dict(kv_capacity_blocks=30, block_size=16, max_num_seqs=64, token_budget=4096, step_time=MODEL,
+    kwargs = dict(kv_capacity_blocks=31, block_size=16, max_num_seqs=64, token_budget=4096, step_time=MODEL,
                   keep_trace=True)
     shared = simulate(requests, make_policy({"name": "static", "b_max": 64}), **kwargs)
     apart = simulate(requests, make_policy({"name": "static", "b_max": 64}), share_prompts=False, **kwargs)

@@ -75,6 +75,16 @@ class OraclePolicy(StaticPolicy):
 
     name = "oracle"
     needs_requests = True
+    admitted_last: int | None = None
+
+    def start_pass(self, prior=None) -> None:
+        super().start_pass(prior)
+        self.admitted_last = None
+
+    def waiting_limit(self) -> int | None:
+        # Each step searches the described queue (a sort per probe): all of grpo-groups' 2,048 requests took
+        # 19% of an H100 step. Most steps admit a few; a limit that all fitted doubles at the next step.
+        return None if self.admitted_last is None else max(256, 2 * self.admitted_last)
 
     def batch_cap(self, state: StepState) -> int:
         if state.waiting_tokens is None or not state.num_waiting:
@@ -83,6 +93,7 @@ class OraclePolicy(StaticPolicy):
                                   state.waiting_remaining, state.kv_capacity_blocks * state.block_size,
                                   state.block_size, state.running_group, state.waiting_group,
                                   state.running_shared, state.waiting_shared)
+        self.admitted_last = admit
         # Admit at least one request into an empty engine, or nothing would ever run.
         self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running, 1,
                              self.max_cap)

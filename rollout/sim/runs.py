@@ -1,6 +1,7 @@
 """One scheduler over a benchmark profile's iterations in the simulator, as `rollout.bench` runs it on a GPU:
-the same policy object across iterations, the oracle sorted by true length, and for `order=longest_first`
-the per-prompt length memory that `RolloutEngine` keeps (submission order, length scales, the pass prior)."""
+the same policy object across iterations, the oracle sorted by true length (a group's samples together), and
+for `order=longest_first` the per-prompt length memory that `RolloutEngine` keeps (submission order, length
+scales, the pass prior)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from rollout.bench import BenchConfig, scheduler_policy
 from rollout.policy import make_policy
 from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.sim.engine import StepTimeModel, simulate
-from rollout.workloads import ProfileConfig, profile_requests
+from rollout.workloads import ProfileConfig, longest_first, profile_requests
 
 VLLM_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's offline default on H100/H200-class GPUs (untouched vLLM)
 
@@ -50,7 +51,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         keys = [prompt_key(r.prompt.token_ids) for r in requests]
         scales, prior = np.ones(len(requests)), None
         if name.split(":")[0] == "oracle":
-            requests = sorted(requests, key=lambda r: -r.output_tokens)
+            requests = longest_first(requests)
         elif settings.get("order") == "longest_first":
             scales = memory.scales(keys)
             prior = memory.prior(keys, scales) if memory.last else None
