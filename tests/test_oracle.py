@@ -55,3 +55,29 @@ def test_oracle_policy_admits_into_an_empty_engine_and_respects_b_max():
                       running_tokens=empty, running_remaining=empty,
                       waiting_tokens=np.full(6, 10), waiting_remaining=np.full(6, 10))
     assert policy.batch_cap(roomy) == 4
+
+
+def test_the_oracle_order_keeps_a_prompts_samples_together_longest_group_first():
+    from rollout.data import Prompt
+    from rollout.workloads import Request, longest_first
+
+    prompt = Prompt(prompt_id="p", text="", token_ids=[1])
+    # Group 0 holds the longest sample; group 1 the next two; a sort of samples alone would interleave them.
+    requests = [Request(prompt, n, g) for n, g in [(50, 0), (400, 1), (900, 0), (300, 1), (10, 2), (600, 1)]]
+    ordered = longest_first(requests)
+    assert [(r.group, r.output_tokens) for r in ordered] == [(0, 900), (0, 50), (1, 600), (1, 400), (1, 300),
+                                                               (2, 10)]
+    assert [r.output_tokens for r in longest_first(requests, by_group=False)] == [900, 600, 400, 300, 50, 10]
+
+
+def test_the_oracle_describes_the_queue_head_after_its_first_step():
+    # The first step of a pass sees the whole queue; later steps a head twice what it last admitted (>= 256).
+    policy = make_policy({"name": "oracle", "b_max": 4096})
+    assert policy.waiting_limit() is None
+    state = StepState(num_running=0, num_waiting=1000, kv_capacity_blocks=100_000, block_size=16)
+    state.running_tokens = state.running_remaining = np.zeros(0, dtype=np.int64)
+    state.waiting_tokens, state.waiting_remaining = np.full(1000, 100), np.full(1000, 50)
+    assert policy.batch_cap(state) == 1000
+    assert policy.waiting_limit() == 2000
+    policy.start_pass()
+    assert policy.waiting_limit() is None
