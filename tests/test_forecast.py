@@ -598,3 +598,20 @@ def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():
     for _ in range(20):
         policy.observe_finished(16, 200)
     assert policy.wants_requests(running(1000))
+
+
+def test_survival_never_exceeds_one_where_interpolation_rounds_up():
+    # (above + (now - above) * 1) / now rounds to 1.0000000000000002 for these two: a survival over 1 made a
+    # demand's variance negative, its sd NaN, and no admission ever fitted (a pass stalled at one request).
+    now, above = 0.004998958136876471, 0.0010628500471110392
+    reach = np.array([1.0, now, above, 0.0])
+    ahead = np.array([[0.0, 0.5, 1.0]])  # fractional bins ahead (scaled requests) take the interpolation
+    alive = forecast_module._alive(np.array([1]), reach, ahead)
+    assert alive.max() <= 1.0 and alive[0, 0] == 1.0
+    lengths = CensoredLengths(bin_tokens=16)
+    for n in (20, 40, 40, 300):
+        lengths.observe(n)
+    admitted = expected_demand_admissions(np.array([300.0]), np.array([30]), np.full(4, 100.0), np.zeros(4),
+                                          lengths, 100_000.0, 16, 1.6, running_scale=np.array([1.3]),
+                                          waiting_scale=np.full(4, 1.3))
+    assert admitted == 4
