@@ -149,3 +149,35 @@ def test_the_forecast_admits_a_whole_group_while_other_groups_run(tiny_model, tm
              if s.get("waiting") and s.get("running", 0) >= 16 and s.get("forecast_admitted")]
     assert waves and max(waves) >= 4, waves
     assert result.summary["generated_tokens"] == 8 * sum(lengths)
+
+
+@pytest.mark.engine
+def test_vllm_shares_a_prompts_full_blocks_but_the_last(tiny_model, tmp_path):
+    """vLLM recomputes a prompt's last token, so a cached prompt of exactly two blocks lends a later sample only
+    its first block: each of the 3 later samples writes the second prompt block again and one for its output.
+    The adapter and the simulator count shared blocks by this rule ((prompt tokens - 1) // block size)."""
+    from omegaconf import OmegaConf
+
+    from rollout.config import RunConfig, validate
+    from rollout.data import Prompt
+    from rollout.engine import RolloutEngine
+
+    blocks = 48
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        # A 256-token budget prefills one prompt a step: a sample's prompt is cached before the next looks it up.
+        "model": {"path": str(tiny_model), "dtype": "float32", "num_gpu_blocks_override": blocks,
+                  "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024, "max_num_batched_tokens": 256},
+        "data": {"source": "synthetic"}, "sampling": {"n": 4, "max_tokens": 40, "ignore_eos": True},
+        "policy": {"name": "forecast", "b_max": 8}, "output": {"stats_in": None}}))
+    validate(cfg)
+    prompt = Prompt(prompt_id="p", text="", token_ids=np.random.default_rng(5).integers(10, 900, 256).tolist())
+    with RolloutEngine(cfg, tmp_path) as engine:
+        result = engine.generate([prompt], progress=False)
+    assert engine.header["block_size"] == 128
+    together = [s for s in result.trace if s.get("running") == 4]
+    assert together
+    # The first sample: 2 prompt blocks + 1 output block; each later one: 1 (its copy of the last prompt
+    # block) + 1 output block. Sharing both prompt blocks would hold 3 + 3 x 1 = 6.
+    used = max(round(s["kv_usage"] * blocks) for s in together)
+    assert used == 3 + 3 * 2, used
+    assert result.summary["generated_tokens"] == 4 * 40
