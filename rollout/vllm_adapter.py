@@ -32,7 +32,7 @@ from pathlib import Path
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from rollout.policy import FallbackPolicy, LengthStats, StepState, make_policy
+from rollout.policy import FallbackPolicy, LengthStats, StepState, make_policy, shared_prompt_blocks
 
 SETTINGS_KEY = "rollout"
 _request_id = attrgetter("request_id")
@@ -152,8 +152,7 @@ class _DynamicBatchMixin:
         group, shared = -1, 0
         if self._share_prompts and request.prompt_token_ids is not None:
             group = self._groups.setdefault(hash(tuple(request.prompt_token_ids)), len(self._groups))
-            # vLLM recomputes a prompt's last token, so a cache hit stops at the last full block before it.
-            shared = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+            shared = shared_prompt_blocks(request.num_prompt_tokens, self.block_size) * self.block_size
             self._grouped_requests += 1
         row = self._row.setdefault(request.request_id, len(self._row))
         if row >= len(self._columns):

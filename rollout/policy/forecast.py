@@ -317,13 +317,15 @@ def _alive(bins: np.ndarray, reach: np.ndarray, ahead: np.ndarray) -> np.ndarray
         later = above + (reach[below] - above) * (below + 1 - position)
     now = reach[bins][:, None]
     if now.min(initial=1.0) > 0:
-        # At most 1: interpolated at zero bins ahead, `later` can round a hair above `now`, and a survival over 1
-        # made a demand's variance negative, its sd NaN and every admission fail (simulator, grpo-groups seed 3:
-        # one request at a time for 280,000 steps).
-        return np.minimum(later / now, 1.0)
-    out = np.zeros(later.shape)
-    out[:, 0] = 1.0
-    return np.minimum(np.divide(later, now, out=out, where=now > 0), 1.0)
+        alive = later / now
+    else:
+        alive = np.zeros(later.shape)
+        alive[:, 0] = 1.0
+        np.divide(later, now, out=alive, where=now > 0)
+    # At most 1: interpolated at zero bins ahead, `later` can round a hair above `now`, and a survival over 1 made
+    # a demand's variance negative, its sd NaN and every admission fail (simulator, grpo-groups seed 3: one
+    # request at a time for 280,000 steps).
+    return np.minimum(alive, 1.0, out=alive)
 
 
 def _ahead(generated: np.ndarray, steps: np.ndarray, bin_tokens: int, scale: np.ndarray | None,

@@ -17,6 +17,12 @@ from rollout.policy.memory import clamp_cap, clt_batch_bound, memory_batch_size,
 from rollout.policy.sla import SLAController, StepWindow
 
 
+def shared_prompt_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Full prompt blocks a sample can share with its group's cached prompt. vLLM recomputes a prompt's last
+    token, so a cache hit ends at the last full block before it (`max_cache_hit_length = num_tokens - 1`)."""
+    return (prompt_tokens - 1) // block_size
+
+
 @dataclass
 class StepState:
     """What a policy sees of the engine at one scheduling step."""
@@ -46,8 +52,9 @@ class StepState:
     # driver's per-prompt memory of earlier iterations.
     running_scale: Any = None
     waiting_scale: Any = None
-    # Prefix caching: requests of one group (the n samples of a prompt) share its full prompt blocks. Each
-    # request's group id and the prompt tokens in those blocks (None: nothing shared).
+    # Prefix caching: requests of one group (the n samples of a prompt) share its full prompt blocks (but the
+    # last, `shared_prompt_blocks`). Each request's group id and the prompt tokens in those blocks (None: nothing
+    # shared).
     running_group: Any = None
     waiting_group: Any = None
     running_shared: Any = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout.policy import StepState
+from rollout.policy import StepState, shared_prompt_blocks
 
 
 @dataclass
@@ -97,8 +97,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     holders: dict[int, int] = {}  # group -> running members holding its shared prompt blocks
 
     def prompt_blocks(r: SimRequest) -> int:  # full prompt blocks a group member can share
-        # vLLM recomputes the prompt's last token: a cache hit ends at the last full block before it.
-        return (r.prompt_tokens - 1) // block_size if share_prompts and r.group is not None else 0
+        return shared_prompt_blocks(r.prompt_tokens, block_size) if share_prompts and r.group is not None else 0
 
     def release(r: SimRequest) -> int:  # blocks freed when r stops running
         freed, r.blocks = r.blocks, 0
