@@ -103,6 +103,10 @@ class PolicyConfig:
     forecast_carry_over: float = 0.05
     forecast_cold_start: str = "gamma"  # gamma | memory
     forecast_cold_start_shape: float = 3.0
+    # The first wave of a pass with nothing known holds each request for this share of its max_tokens (0: for
+    # the prior's whole future); the prior then stays until this share of the running requests have finished.
+    forecast_cold_start_horizon: float = 0.0625
+    forecast_after_share: float = 0.1
     # Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).
     forecast_tail_confidence: float = 1.5
     # Narrow the forecast's margin while nothing is preempted and admissions wait, widen it on preemption.
@@ -200,6 +204,10 @@ def validate(cfg: RunConfig) -> None:
          f"policy.forecast_cold_start must be gamma or memory, got {p.forecast_cold_start!r}")
     need(p.forecast_cold_start_shape > 0,
          f"policy.forecast_cold_start_shape must be > 0, got {p.forecast_cold_start_shape}")
+    need(p.forecast_cold_start_horizon >= 0,
+         f"policy.forecast_cold_start_horizon must be >= 0, got {p.forecast_cold_start_horizon}")
+    need(0 <= p.forecast_after_share <= 1,
+         f"policy.forecast_after_share must be in [0, 1], got {p.forecast_after_share}")
     need(p.forecast_tail_confidence >= 0,
          f"policy.forecast_tail_confidence must be >= 0, got {p.forecast_tail_confidence}")
     need(cfg.model.data_parallel_size >= 1,

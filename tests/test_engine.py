@@ -110,3 +110,23 @@ def test_the_policy_is_told_the_nominal_max_tokens_not_the_imposed_lengths(tiny_
     assert demand == [{1}, {9}], demand
     assert max(s["cap"] for s in told_nominal.trace[5:]) <= 3
     assert told_nominal.summary["generated_tokens"] == 96 * 8  # the imposed lengths still hold
+
+
+def test_the_first_wave_is_sized_for_a_share_of_max_tokens_in_the_engine(tiny_model, tmp_path):
+    """The forecast's cold start: with nothing finished, the first wave holds each request for a fraction of its
+    max_tokens (forecast_cold_start_horizon), not for the prior's whole future. Requests reach the engine over
+    its first steps, so the wave is whatever the forecasts admit before the first finish."""
+    from rollout.data import Prompt
+
+    prompts = [Prompt(prompt_id=f"p{i}", text="", token_ids=list(range(10, 42))) for i in range(96)]
+    first_wave = {}
+    for horizon in (0.0, 0.0625):
+        cfg = tight_config(tiny_model, "forecast")
+        cfg.policy.forecast_cold_start_horizon = horizon
+        with RolloutEngine(cfg, tmp_path / str(horizon)) as engine:
+            run = engine.generate(prompts, progress=False, max_tokens=[8] * 96, nominal_max_tokens=1000)
+        first_wave[horizon] = max(s["cap"] for s in run.trace if s["stats_count"] == 0)
+        assert run.summary["generated_tokens"] == 96 * 8
+    # 24 blocks of 128 tokens: 32 + 1,000 tokens take 9 blocks (two requests, a few with the prior's spread);
+    # 32 + 63 tokens and a partly used block ~221 (13 at most, less the margin).
+    assert first_wave[0.0] <= 4 and 3 * first_wave[0.0] <= first_wave[0.0625] <= 13, first_wave

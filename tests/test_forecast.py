@@ -106,7 +106,8 @@ def test_memory_cold_start_is_algorithm_1_then_forecast():
 
 
 def test_gamma_cold_start_forecasts_with_a_prior_of_the_max_tokens_mean():
-    policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05})  # the default cold start
+    # The prior over the whole future (no first-wave horizon, see the next test)
+    policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0})
     state = cold_state()
     prior = policy._estimate(state)
     mean, _ = prior.conditional(np.array([0]))
@@ -119,6 +120,31 @@ def test_gamma_cold_start_forecasts_with_a_prior_of_the_max_tokens_mean():
         policy.observe_finished(100, 100)
     assert policy._estimate(state) is policy.lengths
     assert policy.batch_cap(state) > 4 * cap
+
+
+def test_the_first_wave_holds_each_request_for_a_share_of_max_tokens():
+    horizon = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05})  # the default: 1/16 of max_tokens
+    whole = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0})
+    wave = horizon.batch_cap(cold_state())
+    # 16,000 tokens, each request 100 + 94 tokens and a partly used block: 76 at most, less the margin.
+    assert 3 * whole.batch_cap(cold_state()) < wave <= 76
+    # Once a request of the pass has finished, the forecast looks all the way ahead again.
+    for policy in (horizon, whole):
+        policy.observe_finished(100, 100)
+    assert horizon.batch_cap(cold_state()) == whole.batch_cap(cold_state())
+
+
+def test_the_prior_stays_until_a_share_of_the_running_requests_have_finished():
+    policy = make_policy({"name": "forecast", "b_max": 512, "eps_m": 0.05})  # after 8, and 10% of the running
+    state = StepState(num_running=200, num_waiting=10, kv_capacity_blocks=4000, block_size=16,
+                      pending_prompt_tokens_mean=100, pending_max_tokens_mean=1500,
+                      running_tokens=np.full(200, 150), running_remaining=np.full(200, 1450),
+                      waiting_tokens=np.full(10, 100), waiting_remaining=np.full(10, 1500),
+                      running_generated=np.full(200, 50), waiting_generated=np.zeros(10, int))
+    for k in range(20):
+        assert policy._estimate(state) is not policy.lengths, k  # 8 short finishes say little of 200 running
+        policy.observe_finished(100, 40)
+    assert policy._estimate(state) is policy.lengths
 
 
 def test_no_request_is_forecast_to_run_past_the_max_tokens():
