@@ -87,12 +87,10 @@ def lognormal_workload(num_prompts: int, *, prompt_tokens: int = 32, median_outp
     return prompts, lengths.tolist()
 
 
-def longest_first(requests: list[Request], by_group: bool = True) -> list[Request]:
-    """The oracle's submission order: longest true output first. `by_group`: a group's samples stay together,
-    groups ordered by their longest sample (sorting samples alone splits a prompt's samples apart, and each
-    then holds the prompt's blocks of its own instead of sharing them)."""
-    if not by_group:
-        return sorted(requests, key=lambda r: -r.output_tokens)
+def longest_first(requests: list[Request]) -> list[Request]:
+    """The oracle's submission order: longest true output first, a group's samples together, groups ordered by
+    their longest sample (sorting samples alone splits a prompt's samples apart, and each then holds the
+    prompt's blocks of its own instead of sharing them: 1.021x vLLM's default on grpo-groups, stop 20)."""
     longest: dict[int, int] = {}
     for r in requests:
         longest[r.group] = max(longest.get(r.group, 0), r.output_tokens)

@@ -67,7 +67,6 @@ def test_the_oracle_order_keeps_a_prompts_samples_together_longest_group_first()
     ordered = longest_first(requests)
     assert [(r.group, r.output_tokens) for r in ordered] == [(0, 900), (0, 50), (1, 600), (1, 400), (1, 300),
                                                                (2, 10)]
-    assert [r.output_tokens for r in longest_first(requests, by_group=False)] == [900, 600, 400, 300, 50, 10]
 
 
 def test_the_oracle_describes_the_queue_head_after_its_first_step():
