@@ -578,7 +578,9 @@ class ForecastPolicy(MemoryPolicy):
     """Admission by the forecast peak KV of running and admitted requests, from censored length estimates.
 
     Until `forecast_after` requests have finished (earlier passes counted at their carried weight) it forecasts
-    with a prior in their place (`cold_start="gamma"`) or behaves as Algorithm 1 (`"memory"`)."""
+    with a prior in their place (`cold_start="gamma"`) or behaves as Algorithm 1 (`"memory"`); the gamma prior
+    stays in the estimate until `forecast_after_share` of the running requests have finished, and until the
+    pass's first finish it looks only `cold_start_horizon` x max_tokens ahead (the first wave)."""
 
     name = "forecast"
     needs_requests = True
