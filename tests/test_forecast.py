@@ -105,6 +105,26 @@ def test_memory_cold_start_is_algorithm_1_then_forecast():
     assert policy.batch_cap(state) > 5 * worst_case
 
 
+def test_memory_cold_start_stays_algorithm_1_until_a_share_of_the_running_have_finished():
+    # With many running, 8 finishes are not enough (forecast_after_share): Algorithm 1 holds until 10% of the
+    # running have finished; the gamma prior plays no part in this mode.
+    settings = {"b_max": 512, "eps_m": 0.05, "min_observations": 8}
+    forecast = make_policy({"name": "forecast", **settings, "forecast_cold_start": "memory"})
+    algorithm_1 = make_policy({"name": "memory", **settings})
+    state = StepState(num_running=200, num_waiting=300, kv_capacity_blocks=4000, block_size=16,
+                      pending_prompt_tokens_mean=100, pending_max_tokens_mean=1500,
+                      running_tokens=np.full(200, 150), running_remaining=np.full(200, 1450),
+                      waiting_tokens=np.full(300, 100), waiting_remaining=np.full(300, 1500),
+                      running_generated=np.full(200, 50), waiting_generated=np.zeros(300, int))
+    for k in range(20):  # 10% of 200
+        assert forecast.batch_cap(state) == algorithm_1.batch_cap(state), k
+        assert forecast.margin_blocks is None, k  # no forecast ran
+        for policy in (forecast, algorithm_1):
+            policy.observe_finished(100, 40)
+    forecast.batch_cap(state)
+    assert forecast.margin_blocks is not None
+
+
 def test_gamma_cold_start_forecasts_with_a_prior_of_the_max_tokens_mean():
     # The prior over the whole future (no first-wave horizon, see the next test)
     policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0})

@@ -577,10 +577,10 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
 class ForecastPolicy(MemoryPolicy):
     """Admission by the forecast peak KV of running and admitted requests, from censored length estimates.
 
-    Until `forecast_after` requests have finished (earlier passes counted at their carried weight) it forecasts
-    with a prior in their place (`cold_start="gamma"`) or behaves as Algorithm 1 (`"memory"`); the gamma prior
-    stays in the estimate until `forecast_after_share` of the running requests have finished, and until the
-    pass's first finish it looks only `cold_start_horizon` x max_tokens ahead (the first wave)."""
+    Until `forecast_after` requests, and `forecast_after_share` of the running ones, have finished (earlier
+    passes counted at their carried weight) it forecasts with a prior in their place (`cold_start="gamma"`) or
+    behaves as Algorithm 1 (`"memory"`); with the prior, until the pass's first finish it looks only
+    `cold_start_horizon` x max_tokens ahead (the first wave)."""
 
     name = "forecast"
     needs_requests = True
@@ -722,8 +722,12 @@ class ForecastPolicy(MemoryPolicy):
         return self.lengths.count - self._finished_grouped + len(self._finished_groups)
 
     def _forecasting(self, state: StepState) -> bool:
-        return state.num_waiting > 0 and (self._observed() >= self.min_observations or (
-            self.cold_start == "gamma" and state.pending_max_tokens_mean > 0))
+        if not state.num_waiting:
+            return False
+        if self.cold_start == "gamma":
+            return self._observed() >= self.min_observations or state.pending_max_tokens_mean > 0
+        # "memory": Algorithm 1 until the estimate rests on finished lengths alone (no prior to blend in)
+        return self._missing(state) <= 0
 
     def _estimate(self, state: StepState) -> CensoredLengths:
         """The length estimate to forecast with. Until `forecast_after` have finished (cold start): what has
