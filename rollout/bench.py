@@ -84,6 +84,27 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
     return bench
 
 
+def machine(gpu: bool) -> dict:
+    """What ran the benchmark, for its results to name: the GPUs as nvidia-smi lists them (it leaves CUDA
+    uninitialised in this process, which vLLM's engine process wants), the CPU, and vLLM's and torch's versions."""
+    import platform
+    import subprocess
+
+    import torch
+    import vllm
+
+    gpus = []
+    if gpu:
+        try:
+            listed = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=60)
+            gpus = [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass  # no nvidia-smi: the GPU goes unnamed, the runs are no less valid
+    return {"gpus": gpus, "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "vllm": vllm.__version__, "torch": torch.__version__}
+
+
 def benchmark_model(model: str, work: Path, vocab_size: int) -> str:
     """"tiny": a random tiny Llama built under `work`; anything else: a model folder, used as it is."""
     if model != "tiny":
@@ -298,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     model = benchmark_model(bench.model, work, bench.vocab_size)
-    results, started = [], time.time()
+    results, started, ran_on = [], time.time(), machine(bench.gpu)
     for profile in bench.profiles:
         for rep in range(bench.reps):
             for scheduler in bench.schedulers:
@@ -311,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(result)
                 print(json.dumps({k: v for k, v in result.items() if k != "timeline"}), flush=True)
                 report = {"config": OmegaConf.to_container(OmegaConf.structured(bench)), "started": started,
-                          "results": results}
+                          "machine": ran_on, "results": results}
                 (out / "results.json").write_text(json.dumps(report, indent=1))  # partial results survive a kill
-    md = "".join(table(results, p.name, bench.schedulers) + "\n" for p in bench.profiles)
+    where = ", ".join(ran_on["gpus"]) or f"CPU only ({ran_on['cpu_count']} cores)"
+    md = f"Machine: {where}; vLLM {ran_on['vllm']}, torch {ran_on['torch']}\n\n" + "".join(
+        table(results, p.name, bench.schedulers) + "\n" for p in bench.profiles)
     (out / "results.md").write_text(md)
     plots(results, bench, out)
     print(md)

@@ -16,6 +16,8 @@ def test_cpu_benchmark_smoke(tmp_path):
          "schedulers=[vllm,static-64,memory,oracle]"], capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads((out / "results.json").read_text())
+    assert report["machine"]["gpus"] == [] and report["machine"]["cpu_count"] >= 1  # what ran it, named
+    assert report["machine"]["vllm"].split(".")[0].isdigit()
     runs = report["results"]
     assert {(r["profile"], r["scheduler"]) for r in runs} == {
         (p, s) for p in ("kv-bound", "grpo-groups") for s in ("vllm", "static-64", "memory", "oracle")}
@@ -33,6 +35,7 @@ def test_cpu_benchmark_smoke(tmp_path):
     kv_bound = {r["scheduler"]: r for r in runs if r["profile"] == "kv-bound"}
     assert kv_bound["static-64"]["preemptions"] > 0  # the profile really overflows the cache
     table = (out / "results.md").read_text()
+    assert table.startswith("Machine: CPU only")
     assert "### kv-bound" in table and "### grpo-groups" in table
     assert "| vllm |" in table and "| 1.000 |" in table
     for name in ("throughput.png", "timeline-kv-bound.png", "timeline-grpo-groups.png"):
@@ -64,3 +67,11 @@ def test_prefix_caching_can_be_turned_off_for_the_runs():
     for overrides, expected in (([], True), (["prefix_caching=false"], False)):
         bench = load_bench_config("configs/bench/cpu-smoke.yaml", overrides)
         assert run_config(bench, bench.profiles[0], "vllm", "some/model").model.enable_prefix_caching is expected
+
+
+def test_the_machine_is_named_without_nvidia_smi(monkeypatch):
+    from rollout.bench import machine
+
+    monkeypatch.setenv("PATH", "")  # no nvidia-smi to ask (as on a machine without NVIDIA's driver)
+    ran_on = machine(gpu=True)
+    assert ran_on["gpus"] == [] and ran_on["cpu_count"] >= 1
