@@ -108,7 +108,8 @@ def test_the_policy_is_told_the_nominal_max_tokens_not_the_imposed_lengths(tiny_
     demand = [{s["mean_demand_blocks"] for s in r.trace if s.get("waiting") and s.get("running")}
               for r in (told_lengths, told_nominal)]
     assert demand == [{1}, {9}], demand
-    assert max(s["cap"] for s in told_nominal.trace[5:]) <= 3
+    # From the pass's first step: the first pass's cap (~20) is not carried into the second.
+    assert max(s["cap"] for s in told_nominal.trace) <= 3
     assert told_nominal.summary["generated_tokens"] == 96 * 8  # the imposed lengths still hold
 
 

@@ -701,6 +701,7 @@ class ForecastPolicy(MemoryPolicy):
         """A new pass. `prior`: the driver's expectation of its lengths, in the units the requests' scales
         define (the previous pass's lengths of the same prompts divided by their new scales); it replaces what
         was observed before, at weight `carry_over` each. Without one, earlier lengths are kept at that weight."""
+        super().start_pass(prior)
         self._running_at_forecast = None
         self._pass_finished = 0
         self._finished_groups.clear()

@@ -148,6 +148,12 @@ class MemoryPolicy(StaticPolicy):
         if self.graph is not None:
             self.max_cap = self.graph.observe(latency_s, decode_requests, prefill_tokens)
 
+    def start_pass(self, prior=None) -> None:
+        # b_0 of the new pass is sized at its first step with waiting requests, whether or not any runs yet: the
+        # last pass's cap was for its lengths, and kept it admitted a stale wave (20 where 2 fitted, in CI).
+        super().start_pass(prior)
+        self.safety_buffer_blocks = None
+
     def _demand(self, state: StepState) -> tuple[float, float]:
         if self.stats.count >= self.min_observations:
             mean, var = self.stats.demand_blocks(state.block_size)
