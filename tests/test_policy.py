@@ -93,8 +93,7 @@ def test_a_new_pass_sizes_its_first_wave_afresh():
     policy = MemoryPolicy(eps_m=0.05, max_cap=512)
     assert policy.batch_cap(state(running=0)) == 1000 // 32
     # Within a pass nothing running keeps b_{t-1}; a new pass (longer max_tokens here) sizes b_0 again.
-    longer = state(running=0)
-    longer.pending_max_tokens_mean = 1500  # 100 + 1,500 tokens: 100 blocks
+    longer = state(running=0, max_tokens=1500.0)  # 100 + 1,500 tokens: 100 blocks
     assert policy.batch_cap(longer) == 1000 // 32
     policy.start_pass()
     assert policy.batch_cap(longer) == 1000 // 100
