@@ -29,7 +29,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rollout.config import ConfigError, RunConfig, validate
+from rollout.config import ConfigError, PolicyConfig, RunConfig, validate
 from rollout.workloads import ProfileConfig, longest_first, profile_requests
 
 GPU_ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True,
@@ -79,9 +79,22 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
         if base not in ("vllm", "memory", "memory-clt", "forecast", "forecast-lpt", "oracle", "oracle-fcfs") and not (
                 base.startswith("static-") and base[7:].isdigit()):
             raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, forecast, forecast-lpt, oracle, oracle-fcfs)")
-        if any("=" not in option for option in options):
-            raise ConfigError(f"schedulers: {name!r}: settings after the name are key=value, separated by ':'")
+        policy_options(name)
     return bench
+
+
+def policy_options(scheduler: str) -> dict:
+    """The policy settings after a scheduler's name (`forecast:eps_m=0.1:forecast_siblings=false`), checked
+    against `PolicyConfig`: a misspelt key would otherwise run the defaults under the name of a variant."""
+    options = scheduler.split(":")[1:]
+    if any("=" not in option for option in options):
+        raise ConfigError(f"schedulers: {scheduler!r}: settings after the name are key=value, separated by ':'")
+    try:
+        given = OmegaConf.from_dotlist(options)
+        OmegaConf.merge(OmegaConf.structured(PolicyConfig), given)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"schedulers: {scheduler!r}: {str(exc).splitlines()[0]}") from exc
+    return OmegaConf.to_container(given)
 
 
 def machine(gpu: bool) -> dict:
@@ -118,7 +131,7 @@ def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
     """The policy settings a scheduler name stands for ("static-N": a fixed cap N that is also max_num_seqs).
     Submission is in the workload's order except for forecast-lpt. A name may carry policy settings,
     typed as on the command line: `forecast:forecast_siblings=true:eps_m=0.1`."""
-    base, *options = scheduler.split(":")
+    base = scheduler.split(":")[0]
     if base.startswith("static-"):
         settings = {"name": "static", "b_max": int(base[7:]), "order": "fifo"}
     elif base == "oracle-fcfs":  # the oracle's admission in submission order: its gain without the order
@@ -127,7 +140,7 @@ def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
         settings = {"name": "forecast", "order": "longest_first", "b_max": bench.b_max, "eps_m": bench.eps_m}
     else:
         settings = {"name": base, "b_max": bench.b_max, "eps_m": bench.eps_m, "order": "fifo"}
-    settings.update(OmegaConf.to_container(OmegaConf.from_dotlist(options)))
+    settings.update(policy_options(scheduler))
     return settings
 
 

@@ -61,6 +61,21 @@ def test_a_scheduler_name_carries_policy_settings():
     assert result.returncode == 2 and "key=value" in result.stderr
 
 
+def test_a_misspelt_policy_setting_in_a_scheduler_name_is_an_error():
+    from rollout.bench import load_bench_config
+    from rollout.config import ConfigError
+    from rollout.sim.runs import scheduler_settings
+
+    # Unchecked, the simulator ran the defaults under the variant's name (a sweep of four "variants" came out
+    # identical to the last digit).
+    with pytest.raises(ConfigError, match="'cold_start_horizon' not in 'PolicyConfig'"):
+        load_bench_config("configs/bench/cpu-smoke.yaml", ["schedulers=[vllm,forecast:cold_start_horizon=0.1]"])
+    bench = load_bench_config("configs/bench/cpu-smoke.yaml", [])
+    with pytest.raises(ConfigError, match="could not be converted"):
+        scheduler_settings(bench, "forecast:eps_m=often")
+    assert scheduler_settings(bench, "forecast:forecast_cold_start_horizon=0.1")["forecast_cold_start_horizon"] == 0.1
+
+
 def test_prefix_caching_can_be_turned_off_for_the_runs():
     from rollout.bench import load_bench_config, run_config
 
