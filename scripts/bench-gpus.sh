@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Benchmark runs side by side on the GPUs of one host: one chain of runs per GPU, each run its own process.
+#   bash scripts/bench-gpus.sh OUT TAG SECONDS "GPU PROFILE:SCHEDULERS ..." ["GPU ..." ...]
+# e.g. bash scripts/bench-gpus.sh runs/s23 A 530 "0 long-cot:vllm long-cot:forecast" "1 long-cot:forecast long-cot:vllm"
+# Each run is `python -m rollout.bench --config $CONFIG only=[PROFILE] reps=1 schedulers=[SCHEDULERS]` on that GPU
+# (CUDA_VISIBLE_DEVICES), written to OUT/TAG-g<GPU>-<PROFILE>-<SCHEDULERS>/ with its log beside it; a run that
+# would start with under a minute of SECONDS left is skipped, one still running at the end is stopped. Compare
+# schedulers within one GPU's chain (GPUs of one host differ by a few percent), and order them both ways.
+# OUT/TAG.tgz packs everything the runs wrote (plots left out), for machines that return few files.
+set -u
+out=$1; tag=$2; limit=$3; shift 3
+config=${CONFIG:-configs/bench/gpu.yaml}
+mkdir -p "$out"
+start=$(date +%s)
+for chain in "$@"; do
+  read -r gpu items <<< "$chain"
+  ( for item in $items; do
+      profile=${item%%:*}; schedulers=${item#*:}; name=$tag-g$gpu-$profile-${schedulers//,/_}
+      left=$(( limit - ($(date +%s) - start) ))
+      [ "$left" -lt 60 ] && { echo "$(date +%T) g$gpu skip $profile $schedulers" >> "$out/$tag-order.txt"; continue; }
+      echo "$(date +%T) g$gpu start $profile $schedulers" >> "$out/$tag-order.txt"
+      CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m rollout.bench --config "$config" "only=[$profile]" reps=1 \
+        "schedulers=[$schedulers]" "out_dir=$out/$name" > "$out/$name.log" 2>&1
+      echo "$(date +%T) g$gpu end $profile $schedulers rc=$?" >> "$out/$tag-order.txt"
+    done ) &
+done
+wait
+cat "$out/$tag-order.txt"
+grep -H "^| [a-z]\|Error\|Traceback" "$out/$tag"-*.log
+(cd "$out" && tar czf "$tag.tgz" --exclude="*.png" "$tag"-*)
