@@ -199,6 +199,14 @@ def test_fit_prices_steps_past_the_largest_graph_apart(tmp_path):
     assert blind.per_eager_step == 0.0 and blind.per_seq > 2 * 3e-5  # the edge read as a cost per request
 
 
+def test_a_step_past_the_largest_graph_pays_for_its_prefill_tokens_only():
+    model = StepTimeModel(base=0.008, per_seq=0.0, per_kv_token=0.0, per_prefill_token=1e-5, per_mixed_step=3e-3,
+                          graph_batch=512, per_eager_step=0.02)
+    # Under the graph a step with prefill leaves the decode-only graph; past it every step is eager already.
+    assert model(512, 0, 100) - model(512, 0, 0) == pytest.approx(100 * 1e-5 + 3e-3)
+    assert model(1024, 0, 100) - model(1024, 0, 0) == pytest.approx(100 * 1e-5)
+
+
 def test_the_policy_is_told_the_nominal_max_tokens_not_the_imposed_lengths():
     # Requests of 8 tokens: told their own max_tokens, Algorithm 1's cold start (every request as long as the
     # mean max_tokens) fits them all; told a trainer's limit of 1,000, it fits what 1,032 tokens each allow.

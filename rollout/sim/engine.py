@@ -26,7 +26,9 @@ class StepTimeModel:
     """seconds = base + per_seq * decode_seqs + per_kv_token * kv_tokens_read + per_prefill_token * prefill_tokens
     + per_mixed_step if the step runs any prefill (on GPU such a step leaves the decode-only CUDA graph)
     + per_eager_step if it decodes more requests than `graph_batch` (0: no CUDA graphs), past the largest graph.
-    (On an H100 a decode-only step over 512 cost 15-30 ms more than one at 512, a mixed step at low batch 3-5.)"""
+    (On an H100 a decode-only step over 512 cost 15-30 ms more than one at 512, a mixed step at low batch 3-5.)
+    An eager step has no graph to leave: prefill costs it only its tokens (H100, cap-bound at 1,000 or more
+    running: ~316 prefill tokens added 4 ms to a 40-66 ms step, which per_prefill_token alone prices at 5)."""
 
     base: float = 0.01
     per_seq: float = 2e-5
@@ -39,8 +41,8 @@ class StepTimeModel:
     def __call__(self, decode_seqs: int, kv_tokens: int, prefill_tokens: int) -> float:
         eager = 0 < self.graph_batch < decode_seqs
         return (self.base + self.per_seq * decode_seqs + self.per_kv_token * kv_tokens
-                + self.per_prefill_token * prefill_tokens + (self.per_mixed_step if prefill_tokens else 0.0)
-                + (self.per_eager_step if eager else 0.0))
+                + self.per_prefill_token * prefill_tokens
+                + (self.per_eager_step if eager else self.per_mixed_step if prefill_tokens else 0.0))
 
     def __str__(self) -> str:
         return (f"{self.base * 1e3:.2f} ms + {self.per_seq * 1e6:.2f} us/seq + {self.per_kv_token * 1e9:.1f} ns/KV "

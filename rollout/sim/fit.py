@@ -19,10 +19,10 @@ def step_rows(path: str | Path) -> list[dict]:
 
 def fit_step_time(runs: list[dict], per_kv_token: float | None = None,
                   graph_batch: int = 0) -> tuple[StepTimeModel, float]:
-    """Non-negative least squares of step duration on (1, decode seqs, KV tokens, prefill tokens, any prefill,
-    and with `graph_batch` a step decoding more requests than that); returns the model and the relative error
-    of predicted total time over the runs used. `per_kv_token` fixes that coefficient (seconds per KV token
-    read): short contexts cannot tell it from the per-sequence cost."""
+    """Non-negative least squares of step duration on (1, decode seqs, KV tokens, prefill tokens, any prefill
+    under the graph, and with `graph_batch` a step decoding more requests than that: see `StepTimeModel`);
+    returns the model and the relative error of predicted total time over the runs used. `per_kv_token` fixes
+    that coefficient (seconds per KV token read): short contexts cannot tell it from the per-sequence cost."""
     from scipy.optimize import nnls
 
     features, durations = [], []
@@ -34,8 +34,8 @@ def fit_step_time(runs: list[dict], per_kv_token: float | None = None,
         running, scheduled, kv = steps[:-1, 1], steps[:-1, 2], steps[:-1, 3] * run["kv_capacity_tokens"]
         prefill = np.maximum(scheduled - running, 0)
         decode = np.minimum(running, scheduled)
-        features.append(np.column_stack([np.ones_like(dt), decode, kv, prefill, prefill > 0,
-                                         decode > graph_batch if graph_batch else 0 * dt]))
+        eager = decode > graph_batch if graph_batch else np.zeros_like(dt, dtype=bool)
+        features.append(np.column_stack([np.ones_like(dt), decode, kv, prefill, (prefill > 0) & ~eager, eager]))
         durations.append(dt)
     x, y = np.vstack(features), np.concatenate(durations)
     # A slow step without prefill is a host hiccup, not a step; slow steps with prefill are what prices prefill
