@@ -75,7 +75,7 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
             raise ConfigError(f"only: no profile named {sorted(unknown)}")
         bench.profiles = [p for p in bench.profiles if p.name in bench.only]
     for name in bench.schedulers:
-        base, *options = name.split(":")
+        base = name.split(":")[0]
         if base not in ("vllm", "memory", "memory-clt", "forecast", "forecast-lpt", "oracle", "oracle-fcfs") and not (
                 base.startswith("static-") and base[7:].isdigit()):
             raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, forecast, forecast-lpt, oracle, oracle-fcfs)")
