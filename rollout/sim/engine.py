@@ -47,8 +47,8 @@ class StepTimeModel:
     def __str__(self) -> str:
         return (f"{self.base * 1e3:.2f} ms + {self.per_seq * 1e6:.2f} us/seq + {self.per_kv_token * 1e9:.1f} ns/KV "
                 f"token + {self.per_prefill_token * 1e6:.2f} us/prefill token + {self.per_mixed_step * 1e3:.2f} ms "
-                "per step with prefill" + (f" + {self.per_eager_step * 1e3:.2f} ms per step decoding over "
-                                           f"{self.graph_batch} requests" if self.graph_batch else ""))
+                "per step with prefill" + (f" under the graph + {self.per_eager_step * 1e3:.2f} ms per step decoding "
+                                           f"over {self.graph_batch} requests" if self.graph_batch else ""))
 
 
 @dataclass
