@@ -105,8 +105,14 @@ class PolicyConfig:
     forecast_cold_start_shape: float = 3.0
     # The first wave of a pass with nothing known holds each request for this share of its max_tokens (0: for
     # the prior's whole future); the prior then stays until this share of the running requests have finished.
-    forecast_cold_start_horizon: float = 0.0625
+    forecast_cold_start_horizon: float = 0.08
     forecast_after_share: float = 0.1
+    # The running requests' own forecast is held to the test admissions pass, at each future time (false: their
+    # largest expected demand plus their largest spread wherever each falls, the rule before stop 24).
+    forecast_pointwise_running_peak: bool = True
+    # A forecast admits nothing until this share of the running requests fit (or the whole queue): admissions
+    # come in waves, fewer steps leave the decode-only CUDA graph for prompt tokens.
+    forecast_min_wave: float = 0.08
     # Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).
     forecast_tail_confidence: float = 1.5
     # Narrow the forecast's margin while nothing is preempted and admissions wait, widen it on preemption.
@@ -204,6 +210,7 @@ def validate(cfg: RunConfig) -> None:
          f"policy.forecast_cold_start must be gamma or memory, got {p.forecast_cold_start!r}")
     need(p.forecast_cold_start_shape > 0,
          f"policy.forecast_cold_start_shape must be > 0, got {p.forecast_cold_start_shape}")
+    need(0 <= p.forecast_min_wave < 1, f"policy.forecast_min_wave must be in [0, 1), got {p.forecast_min_wave}")
     need(p.forecast_cold_start_horizon >= 0,
          f"policy.forecast_cold_start_horizon must be >= 0, got {p.forecast_cold_start_horizon}")
     need(0 <= p.forecast_after_share <= 1,
