@@ -47,6 +47,7 @@ def test_config_file_is_merged(tmp_path):
     (["policy.forecast_cold_start_shape=0"], "policy.forecast_cold_start_shape must be > 0, got 0"),
     (["policy.forecast_cold_start_horizon=-1"], "policy.forecast_cold_start_horizon must be >= 0, got -1"),
     (["policy.forecast_after_share=2"], "policy.forecast_after_share must be in [0, 1], got 2"),
+    (["policy.forecast_min_wave=1"], "policy.forecast_min_wave must be in [0, 1), got 1"),
     (["model.data_parallel_size=0"], "model.data_parallel_size must be >= 1, got 0"),
     (["model.data_parallel_size=2", "model.device_ids=[0]"], "model.device_ids must list a device for every"),
 ])
