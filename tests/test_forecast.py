@@ -711,7 +711,7 @@ def test_admissions_come_in_waves_of_a_share_of_the_running():
     assert mean_running[0.08] > 0.9 * mean_running[0.0]
 
 
-def test_a_wave_too_small_waits_for_as_many_finishes():
+def test_a_wave_too_small_waits_for_finishes_before_the_next_forecast():
     def policy(wave):
         p = make_policy({"name": "forecast", "b_max": 512, "eps_m": 0.05, "forecast_min_wave": wave})
         for n in np.random.default_rng(2).lognormal(np.log(200), 0.6, 200).astype(int):
@@ -731,7 +731,8 @@ def test_a_wave_too_small_waits_for_as_many_finishes():
     assert waves.batch_cap(state) == state.num_running  # so none is admitted
     skipped = StepState(**{**state.__dict__, "running_tokens": None, "running_generated": None,
                            "waiting_tokens": None, "waiting_generated": None})
-    for k in range(8 - fits):
-        assert not waves.wants_requests(skipped), k  # no forecast until the rest of a wave has finished
+    for k in range(2 * (8 - fits)):
+        # no forecast until twice as many as the wave lacked have finished (WAVE_WAIT)
+        assert not waves.wants_requests(skipped), k
         waves.observe_finished(100, 200)
     assert waves.wants_requests(skipped)
