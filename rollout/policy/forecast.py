@@ -607,7 +607,8 @@ class ForecastPolicy(MemoryPolicy):
         # ran ~70 until 8 had finished, 1.025x vLLM's default against 0.99-1.00x (1.2% recomputed). The prior
         # then stays until `forecast_after_share` of the running requests have finished (at least
         # `forecast_after`): in the simulator, 8 of a wave of 246 (the shortest 3%) had the fit admit 245 more,
-        # and 9.7% of the tokens were recomputed.
+        # and 9.7% of the tokens were recomputed. 0.08 of max_tokens since stop 24 (1/16 before): the wave's
+        # overshoot was long-cot's recomputation, and the pointwise test below fills the cache after it.
         self.cold_start_horizon = cold_start_horizon
         self.forecast_after_share = forecast_after_share
         # The running requests are held to the test admissions pass, at each future time. Before stop 24 they
