@@ -561,13 +561,13 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         considered = min(window, len(waiting_tokens))
         mean, var = demand(n + considered)
         base_mean, base_var = mean[:n].sum(axis=0), var[:n].sum(axis=0)
+        base_upper = base_mean + theta * np.sqrt(base_var)
         if pointwise_running_peak:
-            base_peak = float((base_mean + theta * np.sqrt(base_var)).max(initial=0.0))
+            base_peak = float(base_upper.max(initial=0.0))
         else:
             base_peak = base_mean.max(initial=0.0) + theta * np.sqrt(base_var.max(initial=0.0))
         if base_peak > capacity_tokens:
-            return result(0, base_mean, base_var, base_peak,
-                          (mean[:n], var[:n], base_var, base_mean + theta * np.sqrt(base_var)))
+            return result(0, base_mean, base_var, base_peak, (mean[:n], var[:n], base_var, base_upper))
         total_mean = base_mean[None, :] + np.cumsum(mean[n:], axis=0)
         total_var = base_var[None, :] + np.cumsum(var[n:], axis=0)
         upper = total_mean + theta * np.sqrt(total_var)
