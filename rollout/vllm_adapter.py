@@ -133,6 +133,7 @@ class _DynamicBatchMixin:
         self._output_lists = True  # every request keeps its output in a list (see _output_list)
         self._finished = 0
         self._recomputed = 0
+        self._finish_cpu_us = 0.0  # observe_finished since the last step recorded
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
         self._in_flight: OrderedDict[int, tuple[float, dict | None]] = OrderedDict()  # id(output) -> start, record
         self._last_output_t = 0.0
@@ -178,8 +179,11 @@ class _DynamicBatchMixin:
             self._groups.clear()
             self._grouped_requests = 0
             self._row.clear()
+        started_cpu = time.thread_time()
         self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens,
                                            length_scale(request), group, -1 if row is None else row)
+        # The policy's share of a finish: outside schedule(), but on the engine's path all the same.
+        self._finish_cpu_us += (time.thread_time() - started_cpu) * 1e6
         return super()._free_request(request, *args, **kwargs)
 
     def schedule(self, *args, **kwargs):
@@ -222,8 +226,9 @@ class _DynamicBatchMixin:
                 "kv_usage": round(self.kv_cache_manager.usage, 4), "preempted": preempted,
                 "scheduled_tokens": output.total_num_scheduled_tokens, "finished": self._finished,
                 "recomputed_tokens": self._recomputed, "policy_us": round(policy_us, 1),
-                "policy_cpu_us": round(policy_cpu_us, 1),
+                "policy_cpu_us": round(policy_cpu_us, 1), "finish_cpu_us": round(self._finish_cpu_us, 1),
             }
+            self._finish_cpu_us = 0.0
             if describe_cpu_us is not None:  # the per-request arrays were built (their share of policy_cpu_us)
                 record["describe_cpu_us"] = round(describe_cpu_us, 1)
             if budget is not None:
