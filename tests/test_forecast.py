@@ -736,28 +736,3 @@ def test_a_wave_too_small_waits_for_finishes_before_the_next_forecast():
         assert not waves.wants_requests(skipped), k
         waves.observe_finished(100, 200)
     assert waves.wants_requests(skipped)
-
-
-def test_finishes_kept_in_plain_lists_read_back_as_the_arrays_one_at_a_time_would_build():
-    # A finish appends to a list (numpy is slow where its code is cold, between the model's steps); reads fold it.
-    from rollout.policy.forecast import CensoredLengths, SiblingLengths
-    from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS, LengthStats
-
-    rng = np.random.default_rng(3)
-    lengths = rng.lognormal(5.0, 1.0, 500)
-    groups = rng.integers(0, 300, 500)  # past the arrays' first size: they grow on reading
-    censored, siblings, stats = CensoredLengths(), SiblingLengths(), LengthStats()
-    expected_bins = np.zeros(int(lengths.max() // 16) + 1)
-    for i, (length, group) in enumerate(zip(lengths, groups)):
-        censored.observe(length, 0.5 if i % 2 else 1.0)
-        siblings.observe(int(group), length, 1.0)
-        stats.observe(10, int(length))
-        expected_bins[int(length // 16)] += 0.5 if i % 2 else 1.0
-        if i == 250:  # a read in the middle folds what came before; later finishes wait again
-            assert censored.finished[:len(expected_bins)].sum() == pytest.approx(expected_bins.sum())
-    assert np.array_equal(censored.finished[:len(expected_bins)], expected_bins)
-    assert censored.finished[len(expected_bins):].sum() == 0 and censored.count == expected_bins.sum()
-    assert np.array_equal(siblings.count[:300], np.bincount(groups, minlength=300).astype(float))
-    assert siblings.total[:300] == pytest.approx(np.bincount(groups, np.log(lengths), minlength=300))
-    assert np.array_equal(stats.output_histogram,
-                          np.bincount((lengths.astype(int) // HISTOGRAM_BIN_TOKENS)).astype(float))

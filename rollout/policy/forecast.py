@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS, fold
+from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS
 from rollout.policy.memory import clamp_cap
 from rollout.policy.policies import MemoryPolicy, StepState
 
@@ -100,26 +100,17 @@ class CensoredLengths:
         # other, so the fit knows less than its count of lengths says (the variance of its parameters grows by
         # up to this factor; 1 for groups of one).
         self.design_effect = 1.0
-        self._finished = np.zeros(64)  # finished requests per length bin (weights: earlier passes count less)
-        self._unfolded: list[tuple[int, float]] = []  # (bin, weight) observed since `finished` was last read
+        self.finished = np.zeros(64)  # finished requests per length bin (weights: earlier passes count less)
         self.count = 0.0
         self.longest_bin = 0
         self._tail_fit: tuple[int, float, float] | None = None  # (count when fitted, log-mean, log-sd)
         self._tail_ratio = None  # survival past the longest finished request, relative to it, for a fit
 
-    @property
-    def finished(self) -> np.ndarray:
-        if self._unfolded:
-            self._finished, self._unfolded = fold(self._finished, self._unfolded), []
-        return self._finished
-
-    @finished.setter
-    def finished(self, weights: np.ndarray) -> None:
-        self._finished, self._unfolded = weights, []
-
     def observe(self, output_tokens: float, weight: float = 1.0) -> None:
         k = int(output_tokens // self.bin_tokens)
-        self._unfolded.append((k, weight))  # plain Python per finish (see `fold`)
+        if k >= len(self.finished):
+            self.finished = np.pad(self.finished, (0, max(k + 1, 2 * len(self.finished)) - len(self.finished)))
+        self.finished[k] += weight
         self.count += weight
         self.longest_bin = max(self.longest_bin, k)
 
@@ -227,8 +218,7 @@ class SiblingLengths:
     def _reset(self) -> None:
         # Per group id (ids are small integers, a pass's groups in arrival order): finished samples, and the
         # sum and sum of squares of their log(length / scale).
-        self._count, self._total, self._sum_squares = np.zeros(64), np.zeros(64), np.zeros(64)
-        self._unfolded: list[tuple[int, float, float]] = []  # (group, log length, its square) not yet in them
+        self.count, self.total, self.sum_squares = np.zeros(64), np.zeros(64), np.zeros(64)
         self.values: list[float] = []
         self._fit: tuple[int, float, float] | None = None  # (finished when fitted, mu, total sd)
 
@@ -242,33 +232,15 @@ class SiblingLengths:
     def observe(self, group: int, output_tokens: float, scale: float) -> None:
         if group < 0:
             return
-        x = math.log(max(output_tokens, 1.0) / scale)  # plain Python per finish (see `fold`)
-        self._unfolded.append((group, x, x * x))
+        if group >= len(self.count):
+            grow = max(group + 1, 2 * len(self.count)) - len(self.count)
+            self.count, self.total, self.sum_squares = (np.pad(a, (0, grow)) for a in
+                                                        (self.count, self.total, self.sum_squares))
+        x = float(np.log(max(output_tokens, 1.0) / scale))
+        self.count[group] += 1
+        self.total[group] += x
+        self.sum_squares[group] += x * x
         self.values.append(x)
-
-    def _fold(self) -> None:
-        if self._unfolded:
-            self._count = fold(self._count, [(g, 1.0) for g, _, _ in self._unfolded])
-            self._total = fold(self._total, self._unfolded)
-            self._sum_squares = fold(self._sum_squares, self._unfolded, column=2)
-            self._unfolded = []
-
-    @property
-    def count(self) -> np.ndarray:
-        """Finished samples per group (ids are small integers, a pass's groups in arrival order)."""
-        self._fold()
-        return self._count
-
-    @property
-    def total(self) -> np.ndarray:
-        """Sum of the finished samples' log(length / scale), per group."""
-        self._fold()
-        return self._total
-
-    @property
-    def sum_squares(self) -> np.ndarray:
-        self._fold()
-        return self._sum_squares
 
     def informed(self, groups: np.ndarray, generated: np.ndarray, scale: np.ndarray, running: int) -> Informed | None:
         """What each row's group says of it (offset 0, spread 1 where no sibling finished), or None while
@@ -689,7 +661,7 @@ class ForecastPolicy(MemoryPolicy):
         # tokens then frees 10, whatever it holds now), found by its row in the pass. Counting what finished
         # requests held instead, 80-90% of the forecasts that followed admitted nothing.
         self._overshoot: Overshoot | None = None
-        self._overshoot_rows: list | None = None  # row in the pass -> index into the overshoot's shares (-1: none)
+        self._overshoot_rows: np.ndarray | None = None  # row in the pass -> index into the overshoot's shares
         self._overshoot_theta = 0.0
         self._free_at_forecast: int | None = None  # free KV blocks at the last forecast
         self.freed_mean, self.freed_var = 0.0, 0.0
@@ -723,7 +695,7 @@ class ForecastPolicy(MemoryPolicy):
         self.finished_since_forecast += 1
         self._pass_finished += 1
         if self._overshoot_rows is not None and 0 <= row < len(self._overshoot_rows):
-            at = self._overshoot_rows[row]
+            at = int(self._overshoot_rows[row])
             if at >= 0:
                 self.freed_mean += self._overshoot.mean[at]
                 self.freed_var += self._overshoot.var[at]
@@ -932,9 +904,8 @@ class ForecastPolicy(MemoryPolicy):
         self._overshoot_rows = None  # without rows, finishes count what they held (freed_tokens)
         if self._overshoot is not None and self._overshoot.tokens_ahead and state.running_rows is not None:
             rows = np.concatenate([state.running_rows, state.waiting_rows])[:len(self._overshoot.mean)]
-            index = np.full(int(rows.max(initial=-1)) + 1, -1, dtype=np.int64)
-            index[rows] = np.arange(len(rows))
-            self._overshoot_rows = index.tolist()  # read at each finish: a list, not numpy (see `fold`)
+            self._overshoot_rows = np.full(int(rows.max(initial=-1)) + 1, -1, dtype=np.int64)
+            self._overshoot_rows[rows] = np.arange(len(rows))
         if state.running_shared is not None:  # prompt tokens running samples would hold again without sharing
             _, holder = np.unique(state.running_group, return_index=True)
             self.shared_prompt_tokens = int(state.running_shared.sum() - state.running_shared[holder].sum())

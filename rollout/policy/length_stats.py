@@ -22,21 +22,6 @@ STATS_FORMAT_VERSION = 1
 HISTOGRAM_BIN_TOKENS = 16  # the length forecast's bin width (policy/forecast.py)
 
 
-def fold(totals: np.ndarray, unfolded: list, column: int = 1) -> np.ndarray:
-    """`totals` plus `unfolded`, (index, value, ...) tuples added in the order they came (grown as needed).
-    Finishes arrive one at a time between the model's steps, with numpy's code and the policy's
-    data gone cold from the caches: there one numpy scalar update cost ~35 us and np.log of a float ~75 us, the
-    whole of a finish ~9x what it costs in a loop (H200 host: 46 against 5.2 us). So a finish appends a tuple,
-    and the arrays are brought up to date when next read, at a forecast."""
-    index = np.fromiter((u[0] for u in unfolded), np.int64, len(unfolded))
-    values = np.fromiter((u[column] for u in unfolded), float, len(unfolded))
-    top = int(index.max(initial=-1)) + 1
-    if top > len(totals):
-        totals = np.pad(totals, (0, max(top, 2 * len(totals)) - len(totals)))
-    np.add.at(totals, index, values)  # unbuffered, in order: the sums one finish at a time would give
-    return totals
-
-
 @dataclass
 class Moments:
     """Count, mean and variance of a stream of values.
@@ -139,10 +124,8 @@ class LengthStats:
         self.output_tokens = self._moments()
         self.total_tokens = self._moments()
         self.total_blocks = self._moments()
-        # Output lengths per HISTOGRAM_BIN_TOKENS bin, weighted as the moments are (the forecast's prior shape);
-        # (bin, weight) pairs observed since it was last read wait in a plain list (`fold`).
+        # Output lengths per HISTOGRAM_BIN_TOKENS bin, weighted as the moments are (the forecast's prior shape).
         self._histogram = np.zeros(0)
-        self._unfolded: list[tuple[int, float]] = []
 
     def _moments(self) -> Moments:
         return Moments(forgetting=self.forgetting, window=self.window, decay=self.decay)
@@ -160,16 +143,14 @@ class LengthStats:
             self.total_blocks.add(math.ceil(total / self.block_size))
         if self.forgetting != "window":
             if self.forgetting == "exponential":
-                self._fold()
                 self._histogram *= self.decay
             self._add_to_histogram(output_tokens, 1.0)
 
     def _add_to_histogram(self, output_tokens: float, weight: float) -> None:
-        self._unfolded.append((int(output_tokens // HISTOGRAM_BIN_TOKENS), weight))
-
-    def _fold(self) -> None:
-        if self._unfolded:
-            self._histogram, self._unfolded = fold(self._histogram, self._unfolded), []
+        k = int(output_tokens // HISTOGRAM_BIN_TOKENS)
+        if k >= len(self._histogram):
+            self._histogram = np.pad(self._histogram, (0, max(k + 1, 2 * len(self._histogram)) - len(self._histogram)))
+        self._histogram[k] += weight
 
     @property
     def output_histogram(self) -> np.ndarray:
@@ -177,7 +158,6 @@ class LengthStats:
         if self.forgetting == "window":
             values = np.asarray(self.output_tokens.recent, dtype=float)
             return np.bincount((values // HISTOGRAM_BIN_TOKENS).astype(np.int64)).astype(float)
-        self._fold()
         return np.trim_zeros(self._histogram, "b")
 
     def set_block_size(self, block_size: int) -> None:
