@@ -52,11 +52,15 @@ def run_for(cmd, out, seconds, sig):
         only_command = ["--foreground", "--preserve-status"] if sig != signal.SIGKILL else []
         proc = subprocess.Popen(["timeout", *only_command, "-s", sig.name, f"{seconds:.1f}", *cmd], stdout=log,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        proc.wait(timeout=seconds + 300)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind by the parent's death
-    except ProcessLookupError:
-        pass
+        try:
+            proc.wait(timeout=seconds + 300)
+        finally:
+            # Engine processes left behind by the parent's death, or a run that outlived the wait (which left
+            # it running on both cores through the tests after it).
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     return proc.returncode, log_path.read_text()
 
 

@@ -1,5 +1,5 @@
 """Stop 25's plot: forecast vs vLLM's default per profile and GPU (4x H200, one machine), and long-cot's timeline."""
-import json, glob, math, sys
+import json, sys
 from pathlib import Path
 import matplotlib
 matplotlib.use("Agg")
