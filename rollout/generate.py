@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 
@@ -43,9 +46,47 @@ def output_settings(cfg: RunConfig) -> dict:
             "data": asdict(cfg.data), "sampling": asdict(cfg.sampling)}
 
 
+def interrupted(store: SampleStore, order: list) -> str:
+    return (f"\ninterrupted: {len(store.done)} of {len(order)} samples are safe in {store.samples_path}; "
+            "run the same command again to resume")
+
+
 def fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+@contextmanager
+def exit_on_interrupt(message: str, grace_s: float = 2.0):
+    """Ctrl-C while vLLM's engine starts: the main thread then waits in C (a ZMQ poll of up to 10 minutes for
+    the engine process), the signal went to another thread, and the KeyboardInterrupt was lost: the run went on
+    to the end. The signal still reaches Python's wakeup fd, read here by a thread: if the main thread has not
+    left the block `grace_s` later, print `message`, kill the engine's processes (nothing is generated yet; one
+    still waiting for its handshake would wait 5 minutes for a parent gone) and exit 130."""
+    import psutil
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd)
+    left = threading.Event()
+
+    def watch() -> None:
+        while data := os.read(read_fd, 64):
+            if signal.SIGINT in data and not left.wait(grace_s):
+                print(message, file=sys.stderr, flush=True)
+                for child in psutil.Process().children(recursive=True):
+                    with suppress(psutil.Error):
+                        child.kill()
+                os._exit(EXIT_INTERRUPTED)
+        os.close(read_fd)
+
+    threading.Thread(target=watch, name="startup-interrupt", daemon=True).start()
+    try:
+        yield
+    finally:
+        left.set()
+        signal.set_wakeup_fd(previous)
+        os.close(write_fd)  # the watcher reads its end and stops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = generate_parallel(cfg, prompts, out_dir, done, store.append, cfg.model.data_parallel_size)
         else:
-            with RolloutEngine(cfg, out_dir) as engine:
+            with exit_on_interrupt(interrupted(store, order)):
+                engine = RolloutEngine(cfg, out_dir)
+            with engine:
                 result = engine.generate(prompts, progress=cfg.output.progress, done=done, sink=store.append)
             summary, trace = result.summary, result.trace
     except (FileNotFoundError, ModelError, RuntimeError) as exc:
@@ -89,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     except KeyboardInterrupt:
         store.close()
-        print(f"\ninterrupted: {len(store.done)} of {len(order)} samples are safe in {store.samples_path}; "
-              "run the same command again to resume", file=sys.stderr)
+        print(interrupted(store, order), file=sys.stderr)
         return EXIT_INTERRUPTED
     summary["skipped_prompts"] = skipped
     summary["outputs"] = store.finalize(order, list(cfg.output.formats))

@@ -19,9 +19,14 @@ streaming client sees, without idle gaps. The per-step trace record is written w
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import math
+import multiprocessing
+import os
+import signal
+import sys
 import time
 from collections import OrderedDict
 from operator import attrgetter
@@ -84,9 +89,23 @@ def graph_batch(vllm_config) -> int:
         getattr(compilation, "cudagraph_capture_sizes", None) or [0]))
 
 
+def end_with_parent() -> None:
+    """Have Linux end this process (SIGTERM) when its parent dies. vLLM's engine core does not watch the driver
+    that started it: after a SIGKILL of `rollout.generate` (the OOM killer, a job scheduler, a test's timeout)
+    it ran the requests on with nobody to read them, holding the accelerator's memory, its worker spinning a
+    CPU core. SIGTERM is vLLM's own shutdown, which also ends the worker."""
+    parent = multiprocessing.parent_process()
+    if parent is None or not sys.platform.startswith("linux"):
+        return  # the driver's own process (vLLM without multiprocessing), or no prctl
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM) == 0 and os.getppid() != parent.pid:
+        os.kill(os.getpid(), signal.SIGTERM)  # the parent died before this was set
+
+
 class _DynamicBatchMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        end_with_parent()
         settings = (self.vllm_config.additional_config or {}).get(SETTINGS_KEY)
         if settings is None:
             raise ValueError(f"{type(self).__name__} needs additional_config[{SETTINGS_KEY!r}]")
@@ -174,7 +193,10 @@ class _DynamicBatchMixin:
         self._pending_max_tokens -= nominal_max_tokens(request)
         self._finished += 1
         row = self._row.get(request.request_id)
-        group = -1 if row is None else int(self._columns[row, GROUP])
+        # A prompt of one sample tells its siblings nothing: groups count only where some prompt has several (as
+        # the StepState's group columns), which on kv-bound spared each finish the sibling bookkeeping.
+        grouped = row is not None and len(self._groups) < self._grouped_requests
+        group = int(self._columns[row, GROUP]) if grouped else -1
         if self._pending == 0:  # rows and groups are a pass's
             self._groups.clear()
             self._grouped_requests = 0

@@ -100,23 +100,34 @@ class CensoredLengths:
         # other, so the fit knows less than its count of lengths says (the variance of its parameters grows by
         # up to this factor; 1 for groups of one).
         self.design_effect = 1.0
-        self.finished = np.zeros(64)  # finished requests per length bin (weights: earlier passes count less)
+        # Finished requests per length bin (weights: earlier passes count less). A list, as LengthStats' histogram:
+        # a finish updates one bin; the forecast reads the whole as an array (`finished`).
+        self._finished = [0.0] * 64
         self.count = 0.0
         self.longest_bin = 0
         self._tail_fit: tuple[int, float, float] | None = None  # (count when fitted, log-mean, log-sd)
         self._tail_ratio = None  # survival past the longest finished request, relative to it, for a fit
 
+    @property
+    def finished(self) -> np.ndarray:
+        return np.array(self._finished)
+
+    @finished.setter
+    def finished(self, weights) -> None:
+        self._finished = np.asarray(weights, dtype=float).tolist()
+
     def observe(self, output_tokens: float, weight: float = 1.0) -> None:
         k = int(output_tokens // self.bin_tokens)
-        if k >= len(self.finished):
-            self.finished = np.pad(self.finished, (0, max(k + 1, 2 * len(self.finished)) - len(self.finished)))
-        self.finished[k] += weight
+        if k >= len(self._finished):
+            self._finished.extend([0.0] * (max(k + 1, 2 * len(self._finished)) - len(self._finished)))
+        self._finished[k] += weight
         self.count += weight
-        self.longest_bin = max(self.longest_bin, k)
+        if k > self.longest_bin:
+            self.longest_bin = k
 
     def forget(self, keep: float) -> None:
         """Weigh everything observed so far by `keep` (a new pass: lengths drift between RL iterations)."""
-        self.finished *= keep
+        self._finished = [w * keep for w in self._finished]
         self.count *= keep
         self._tail_fit = self._tail_ratio = None
         if keep == 0:
@@ -126,10 +137,11 @@ class CensoredLengths:
         """Log-mean and log-sd of a lognormal fitted (censored maximum likelihood) to the finished lengths and
         the running requests' output so far; refitted each time the finished count doubles."""
         if self._tail_fit is None or self.count >= 2 * self._tail_fit[0]:
-            centers = (np.arange(len(self.finished)) + 0.5) * self.bin_tokens
+            finished = self.finished
+            centers = (np.arange(len(finished)) + 0.5) * self.bin_tokens
             # Carried-over passes weigh each length by a fraction: rounding the running total (not each bin)
             # keeps their mass and shape.
-            counts = np.diff(np.round(np.cumsum(self.finished)), prepend=0.0)
+            counts = np.diff(np.round(np.cumsum(finished)), prepend=0.0)
             censored, times = np.unique(np.log(np.maximum(generated, 1)), return_counts=True)
             log_mean, log_sd, se_mean, se_log_sd = censored_normal_fit(
                 np.log(centers[counts > 0]), counts[counts > 0], censored, times, standard_errors=True)
@@ -152,7 +164,7 @@ class CensoredLengths:
         top = int(bins.max(initial=0))
         size = max(self.longest_bin, top) + 2
         events = np.zeros(size)
-        events[:min(size, len(self.finished))] = self.finished[:size]
+        events[:min(size, len(self._finished))] = self._finished[:size]
         censored = np.bincount(bins, minlength=size).astype(float) if len(generated) else np.zeros(size)
         at_risk = np.cumsum((events + censored)[::-1])[::-1]  # length or censoring point in bin k or later
         hazard = np.divide(events, at_risk, out=np.zeros(size), where=at_risk > 0)
@@ -236,7 +248,7 @@ class SiblingLengths:
             grow = max(group + 1, 2 * len(self.count)) - len(self.count)
             self.count, self.total, self.sum_squares = (np.pad(a, (0, grow)) for a in
                                                         (self.count, self.total, self.sum_squares))
-        x = float(np.log(max(output_tokens, 1.0) / scale))
+        x = math.log(max(output_tokens, 1.0) / scale)  # numpy's log of one float costs ~10x math's
         self.count[group] += 1
         self.total[group] += x
         self.sum_squares[group] += x * x
@@ -776,9 +788,9 @@ class ForecastPolicy(MemoryPolicy):
         survival = stats.gamma.sf(edges, self.cold_start_shape, scale=mean / self.cold_start_shape)
         mass = -np.diff(survival)
         mass[-1] += survival[-1]
-        size = max(len(mass), len(self.lengths.finished))
-        blended.finished = np.pad(mass * missing, (0, size - len(mass))) + np.pad(
-            self.lengths.finished, (0, size - len(self.lengths.finished)))
+        finished = self.lengths.finished
+        size = max(len(mass), len(finished))
+        blended.finished = np.pad(mass * missing, (0, size - len(mass))) + np.pad(finished, (0, size - len(finished)))
         blended.count = self.lengths.count + missing
         blended.longest_bin = max(self.lengths.longest_bin, len(mass) - 1)
         self._prior_key, self._prior = key, blended

@@ -125,7 +125,11 @@ class LengthStats:
         self.total_tokens = self._moments()
         self.total_blocks = self._moments()
         # Output lengths per HISTOGRAM_BIN_TOKENS bin, weighted as the moments are (the forecast's prior shape).
-        self._histogram = np.zeros(0)
+        # A list: a finish adds to one bin, between the model's steps with numpy cold, where a numpy scalar
+        # update cost ~16 us more than a list's (CPU, caches evicted before each). Exponential forgetting
+        # scales the new weights up instead of all the old ones down, renormalised before floats underflow.
+        self._histogram: list[float] = []
+        self._histogram_scale = 1.0  # the weight of a stored 1.0 now
 
     def _moments(self) -> Moments:
         return Moments(forgetting=self.forgetting, window=self.window, decay=self.decay)
@@ -143,14 +147,17 @@ class LengthStats:
             self.total_blocks.add(math.ceil(total / self.block_size))
         if self.forgetting != "window":
             if self.forgetting == "exponential":
-                self._histogram *= self.decay
+                self._histogram_scale *= self.decay
+                if self._histogram_scale < 1e-100:
+                    self._histogram = [w * self._histogram_scale for w in self._histogram]
+                    self._histogram_scale = 1.0
             self._add_to_histogram(output_tokens, 1.0)
 
     def _add_to_histogram(self, output_tokens: float, weight: float) -> None:
         k = int(output_tokens // HISTOGRAM_BIN_TOKENS)
         if k >= len(self._histogram):
-            self._histogram = np.pad(self._histogram, (0, max(k + 1, 2 * len(self._histogram)) - len(self._histogram)))
-        self._histogram[k] += weight
+            self._histogram.extend([0.0] * (max(k + 1, 2 * len(self._histogram)) - len(self._histogram)))
+        self._histogram[k] += weight / self._histogram_scale
 
     @property
     def output_histogram(self) -> np.ndarray:
@@ -158,7 +165,7 @@ class LengthStats:
         if self.forgetting == "window":
             values = np.asarray(self.output_tokens.recent, dtype=float)
             return np.bincount((values // HISTOGRAM_BIN_TOKENS).astype(np.int64)).astype(float)
-        return np.trim_zeros(self._histogram, "b")
+        return np.trim_zeros(np.array(self._histogram) * self._histogram_scale, "b")
 
     def set_block_size(self, block_size: int) -> None:
         """Fix the block size; block moments kept for another block size are dropped."""
@@ -225,7 +232,7 @@ class LengthStats:
             if histogram["bin_tokens"] != HISTOGRAM_BIN_TOKENS:
                 raise ValueError(f"output_histogram bins of {histogram['bin_tokens']} tokens, "
                                  f"expected {HISTOGRAM_BIN_TOKENS}")
-            stats._histogram = np.asarray(histogram["weights"], dtype=float)
+            stats._histogram = [float(w) for w in histogram["weights"]]
         return stats
 
     def save(self, path: str | os.PathLike) -> None:
