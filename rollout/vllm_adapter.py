@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections import OrderedDict
 from operator import attrgetter
@@ -74,9 +75,11 @@ def nominal_max_tokens(request) -> int:
 
 def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_out: str | None,
                      stats_options: dict | None = None) -> dict:
-    """The additional_config entry that configures the scheduler in the engine process."""
+    """The additional_config entry that configures the scheduler in the engine process. Call it in the thread
+    that starts the engine: only an engine started by the main thread ends with its parent (`end_with_parent`)."""
     return {SETTINGS_KEY: {"policy": policy, "trace_path": trace_path, "stats_in": stats_in,
-                           "stats_out": stats_out, "stats_options": stats_options or {}}}
+                           "stats_out": stats_out, "stats_options": stats_options or {},
+                           "end_with_parent": threading.current_thread() is threading.main_thread()}}
 
 
 def graph_batch(vllm_config) -> int:
@@ -93,7 +96,9 @@ def end_with_parent() -> None:
     """Have Linux end this process (SIGTERM) when its parent dies. vLLM's engine core does not watch the driver
     that started it: after a SIGKILL of `rollout.generate` (the OOM killer, a job scheduler, a test's timeout)
     it ran the requests on with nobody to read them, holding the accelerator's memory, its worker spinning a
-    CPU core. SIGTERM is vLLM's own shutdown, which also ends the worker."""
+    CPU core. SIGTERM is vLLM's own shutdown, which also ends the worker. Linux sends it when the parent's
+    *thread* that started this process ends: so only for engines a main thread started (`adapter_settings`),
+    not one a trainer starts from a worker thread that then returns."""
     parent = multiprocessing.parent_process()
     if parent is None or not sys.platform.startswith("linux"):
         return  # the driver's own process (vLLM without multiprocessing), or no prctl
@@ -105,10 +110,11 @@ def end_with_parent() -> None:
 class _DynamicBatchMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        end_with_parent()
         settings = (self.vllm_config.additional_config or {}).get(SETTINGS_KEY)
         if settings is None:
             raise ValueError(f"{type(self).__name__} needs additional_config[{SETTINGS_KEY!r}]")
+        if settings.get("end_with_parent"):
+            end_with_parent()
         options = settings.get("stats_options") or {}
         if settings.get("stats_in"):
             stats = LengthStats.load(settings["stats_in"], **options)
