@@ -185,6 +185,11 @@ class _DynamicBatchMixin:
             self._columns = np.concatenate([self._columns, np.zeros_like(self._columns)])
         self._columns[row] = (request.num_prompt_tokens, request.max_tokens, group, shared, length_scale(request))
 
+    @property
+    def _grouped(self) -> bool:
+        """Some prompt of the pass has several samples (prefix caching on)."""
+        return len(self._groups) < self._grouped_requests
+
     def _read_prior(self) -> np.ndarray | None:
         # The driver writes it before submitting a pass, so it is in place when the first request arrives.
         try:
@@ -201,8 +206,7 @@ class _DynamicBatchMixin:
         row = self._row.get(request.request_id)
         # A prompt of one sample tells its siblings nothing: groups count only where some prompt has several (as
         # the StepState's group columns), which on kv-bound spared each finish the sibling bookkeeping.
-        grouped = row is not None and len(self._groups) < self._grouped_requests
-        group = int(self._columns[row, GROUP]) if grouped else -1
+        group = int(self._columns[row, GROUP]) if row is not None and self._grouped else -1
         if self._pending == 0:  # rows and groups are a pass's
             self._groups.clear()
             self._grouped_requests = 0
@@ -321,7 +325,7 @@ class _DynamicBatchMixin:
         headroom = self.max_cap - len(running)
         limit = self.batch_policy.waiting_limit()
         free_tokens = state.kv_free_blocks * state.block_size
-        grouped = len(self._groups) < self._grouped_requests  # some prompt has several samples
+        grouped = self._grouped
         if grouped:
             held = np.zeros(len(self._groups), dtype=bool)  # groups whose prompt blocks are in the cache
             group = run_columns[:, GROUP].astype(np.int64)

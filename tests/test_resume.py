@@ -54,11 +54,11 @@ def session_processes(session):
     return alive
 
 
-def run_for(cmd, out, seconds, sig, whole_group=True):
+def run_for(cmd, out, seconds, sig):
     """Run the command and send it `sig` after `seconds`, timed by coreutils `timeout`: on 2 busy cores this
     test's own process was seen not to be scheduled for over a minute while the run went on, so a kill timed
-    from here (by polling samples.jsonl) landed after the run had finished. SIGINT, and SIGKILL with
-    `whole_group=False`, go to the command alone. Returns its exit status, its output, and the processes of its
+    from here (by polling samples.jsonl) landed after the run had finished. The signal goes to the command
+    alone (a SIGKILL as the OOM killer sends it). Returns its exit status, its output, and the processes of its
     session still alive a minute after it died (the engine's, had they outlived it); None for a SIGKILL before
     the run wrote a sample: in vLLM's startup an engine process waits up to 5 minutes for its parent's
     handshake, and nothing of ours runs in it yet to end it sooner."""
@@ -66,9 +66,8 @@ def run_for(cmd, out, seconds, sig, whole_group=True):
     written = len(durable_lines(out))
     left = None
     with log_path.open("w") as log:
-        only_command = ["--foreground", "--preserve-status"] if sig != signal.SIGKILL or not whole_group else []
-        proc = subprocess.Popen(["timeout", *only_command, "-s", sig.name, f"{seconds:.1f}", *cmd], stdout=log,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(["timeout", "--foreground", "--preserve-status", "-s", sig.name, f"{seconds:.1f}",
+                                 *cmd], stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             proc.wait(timeout=seconds + 300)
             if sig != signal.SIGKILL or len(durable_lines(out)) > written:
@@ -99,8 +98,7 @@ def test_killed_runs_resume_exactly_once(tiny_model, prompt_set, tmp_path):
     while kills < 2 or (seen == 0 and kills < 6):
         # The driver alone is killed (as by the OOM killer): once its engine runs, vLLM's engine processes must
         # not outlive it (they did, holding the model and spinning a core, until the adapter tied them to it).
-        returncode, log, left = run_for(cmd, out, rng.uniform(26, 40) + 15 * early, signal.SIGKILL,
-                                        whole_group=False)
+        returncode, log, left = run_for(cmd, out, rng.uniform(26, 40) + 15 * early, signal.SIGKILL)
         kills += 1
         assert returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), log[-3000:]
         assert left in ([], None), (left, log[-3000:])

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS
+from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS, add_to_bin
 from rollout.policy.memory import clamp_cap
 from rollout.policy.policies import MemoryPolicy, StepState
 
@@ -100,8 +100,8 @@ class CensoredLengths:
         # other, so the fit knows less than its count of lengths says (the variance of its parameters grows by
         # up to this factor; 1 for groups of one).
         self.design_effect = 1.0
-        # Finished requests per length bin (weights: earlier passes count less). A list, as LengthStats' histogram:
-        # a finish updates one bin; the forecast reads the whole as an array (`finished`).
+        # Finished requests per length bin (weights: earlier passes count less): a list (`add_to_bin`), read
+        # whole as an array (`finished`).
         self._finished = [0.0] * 64
         self.count = 0.0
         self.longest_bin = 0
@@ -118,9 +118,7 @@ class CensoredLengths:
 
     def observe(self, output_tokens: float, weight: float = 1.0) -> None:
         k = int(output_tokens // self.bin_tokens)
-        if k >= len(self._finished):
-            self._finished.extend([0.0] * (max(k + 1, 2 * len(self._finished)) - len(self._finished)))
-        self._finished[k] += weight
+        add_to_bin(self._finished, k, weight)
         self.count += weight
         if k > self.longest_bin:
             self.longest_bin = k

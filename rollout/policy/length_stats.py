@@ -22,6 +22,15 @@ STATS_FORMAT_VERSION = 1
 HISTOGRAM_BIN_TOKENS = 16  # the length forecast's bin width (policy/forecast.py)
 
 
+def add_to_bin(bins: list[float], k: int, weight: float) -> None:
+    """bins[k] += weight, the list grown (doubled at least) to hold bin k. Plain Python: a finish adds to one bin
+    between the model's steps, with numpy's code cold, where a numpy scalar update cost ~16 us more (CPU, caches
+    evicted before each)."""
+    if k >= len(bins):
+        bins.extend([0.0] * (max(k + 1, 2 * len(bins)) - len(bins)))
+    bins[k] += weight
+
+
 @dataclass
 class Moments:
     """Count, mean and variance of a stream of values.
@@ -124,10 +133,9 @@ class LengthStats:
         self.output_tokens = self._moments()
         self.total_tokens = self._moments()
         self.total_blocks = self._moments()
-        # Output lengths per HISTOGRAM_BIN_TOKENS bin, weighted as the moments are (the forecast's prior shape).
-        # A list: a finish adds to one bin, between the model's steps with numpy cold, where a numpy scalar
-        # update cost ~16 us more than a list's (CPU, caches evicted before each). Exponential forgetting
-        # scales the new weights up instead of all the old ones down, renormalised before floats underflow.
+        # Output lengths per HISTOGRAM_BIN_TOKENS bin, weighted as the moments are (the forecast's prior shape);
+        # a list (`add_to_bin`). Exponential forgetting scales the new weights up instead of all the old ones
+        # down, renormalised before floats underflow.
         self._histogram: list[float] = []
         self._histogram_scale = 1.0  # the weight of a stored 1.0 now
 
@@ -154,10 +162,7 @@ class LengthStats:
             self._add_to_histogram(output_tokens, 1.0)
 
     def _add_to_histogram(self, output_tokens: float, weight: float) -> None:
-        k = int(output_tokens // HISTOGRAM_BIN_TOKENS)
-        if k >= len(self._histogram):
-            self._histogram.extend([0.0] * (max(k + 1, 2 * len(self._histogram)) - len(self._histogram)))
-        self._histogram[k] += weight / self._histogram_scale
+        add_to_bin(self._histogram, int(output_tokens // HISTOGRAM_BIN_TOKENS), weight / self._histogram_scale)
 
     @property
     def output_histogram(self) -> np.ndarray:
