@@ -5,8 +5,9 @@ one starts), in one process on one machine. Schedulers: "vllm" (vLLM untouched, 
 "static-N" (our adapter with a fixed cap N = max_num_seqs), "memory" (Algorithm 1), "memory-clt", "forecast"
 (length-aware admission from censored length estimates), "forecast-lpt" (forecast with each prompt's
 predicted length from earlier iterations: longest first, and scaled estimates), and "oracle" (true lengths,
-longest first, a prompt's samples together; a reference, not a policy one can deploy) and "oracle-fcfs" (the same
-admission in submission order, which separates what admission and what order are worth).
+longest first, a prompt's samples together, admitted in waves as the forecast admits; a reference, not a policy
+one can deploy) and "oracle-fcfs" (the same admission in submission order, which separates what admission and
+what order are worth; `oracle-fcfs:forecast_min_wave=0` admits whatever fits at every step, as before stop 27).
 
 Writes results.json, results.md (a table per profile), throughput.png (median and spread per scheduler) and
 timeline-<profile>.png (running batch and KV use over time) into the output folder.

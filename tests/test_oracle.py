@@ -80,3 +80,62 @@ def test_the_oracle_describes_the_queue_head_after_its_first_step():
     assert policy.waiting_limit() == 2000
     policy.start_pass()
     assert policy.waiting_limit() is None
+
+
+def _crowded(num_running: int, fits: int) -> StepState:
+    """`num_running` requests 10 tokens from their end (the peak) and a queue of which exactly `fits` fit."""
+    running_tokens = np.full(num_running, 100)
+    state = StepState(num_running=num_running, num_waiting=50, kv_capacity_blocks=(num_running + fits) * 110 + 50,
+                      block_size=1, running_tokens=running_tokens, running_remaining=np.full(num_running, 10),
+                      waiting_tokens=np.full(50, 100), waiting_remaining=np.full(50, 100))
+    return state
+
+
+def test_the_oracle_admits_in_waves_and_searches_again_only_after_finishes():
+    policy = make_policy({"name": "oracle", "b_max": 1024})  # min_wave 0.08: 8 of 100 running
+    assert policy.batch_cap(_crowded(100, 3)) == 100  # 3 fit now: too few, they wait for the wave
+    later = StepState(num_running=100, num_waiting=50, kv_capacity_blocks=1, block_size=1)
+    assert not policy.wants_requests(later)  # true lengths: no finish, the same answer
+    assert policy.batch_cap(later) == 100  # and no request starts that the search did not admit
+    for _ in range(4):
+        policy.observe_finished(100, 100)
+    assert not policy.wants_requests(later)
+    policy.observe_finished(100, 100)  # 3 fitted, a wave is 8: five finishes later it looks again
+    assert policy.wants_requests(later)
+    assert policy.batch_cap(_crowded(100, 8)) == 108
+    trickle = make_policy({"name": "oracle", "b_max": 1024, "forecast_min_wave": 0.0})
+    assert trickle.batch_cap(_crowded(100, 3)) == 103
+    assert trickle.wants_requests(later)  # without waves it searches at every step
+
+
+def test_between_searches_the_oracle_admits_only_what_its_last_search_did():
+    policy = make_policy({"name": "oracle", "b_max": 1024})
+    assert policy.batch_cap(_crowded(100, 20)) == 120
+    # The token budget let 12 of them start; one request finished (the search is due at the next step).
+    policy.observe_finished(100, 100)
+    partly = StepState(num_running=111, num_waiting=38, kv_capacity_blocks=1, block_size=1)
+    assert policy.batch_cap(partly) == 119  # the 8 admitted that have not started, not the freed place
+
+
+def test_in_waves_the_oracle_still_preempts_nothing_and_leaves_the_decode_graph_less_often():
+    from rollout.sim import StepTimeModel, simulate
+
+    rng = np.random.default_rng(0)
+    requests = [(64, int(n)) for n in np.clip(rng.lognormal(np.log(120), 0.8, 400), 1, 600)]
+    model = StepTimeModel(base=5e-3, per_seq=2e-5, per_kv_token=0.0, per_prefill_token=1.7e-5, per_mixed_step=5e-3)
+
+    class Counting(type(make_policy({"name": "oracle", "b_max": 8}))):
+        prefill_steps = 0
+
+        def observe_step(self, latency_s, decode_requests, prefill_tokens):
+            self.prefill_steps += prefill_tokens > 0
+
+    runs = {}
+    for min_wave in (0.0, 0.08):
+        policy = Counting(256, 256, min_wave=min_wave)
+        result = simulate(requests, policy, kv_capacity_blocks=600, block_size=16, max_num_seqs=256,
+                          token_budget=8192, step_time=model)
+        assert result.preemptions == 0 and result.generated_tokens == sum(n for _, n in requests)
+        runs[min_wave] = (policy.prefill_steps, result.tokens_per_s)
+    assert runs[0.08][0] < runs[0.0][0] / 2, runs
+    assert runs[0.08][1] > runs[0.0][1], runs

@@ -371,7 +371,7 @@ def make_policy(settings: dict, stats: LengthStats | None = None) -> StaticPolic
     if name == "oracle":
         from rollout.policy.oracle import OraclePolicy
 
-        return OraclePolicy(max_cap, max_cap, stats)
+        return OraclePolicy(max_cap, max_cap, stats, min_wave=float(settings.get("forecast_min_wave", 0.08)))
     if name not in POLICIES and name not in LENGTH_AWARE_POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted([*POLICIES, *LENGTH_AWARE_POLICIES])}")
     if name == "static":
