@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -181,6 +182,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     kv_capacity_tokens = None
     trace: list[dict] = []
     with RolloutEngine(cfg, workdir) as engine:
+        started_at = time.time()
         for iteration in range(profile.iterations):
             requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
             if scheduler.split(":")[0] == "oracle":  # longest first keeps the cache full while the long ones run
@@ -200,6 +202,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
             if result.trace:  # iterations laid end to end on one time axis
                 offset = trace[-1]["t"] if trace else 0.0
                 trace += [{**step, "t": step["t"] - result.trace[0]["t"] + offset} for step in result.trace]
+        ended_at = time.time()
     policy_us = [s["policy_us"] for s in trace if "policy_us" in s]
     policy_cpu_us = [s["policy_cpu_us"] for s in trace if "policy_cpu_us" in s]
     finish_cpu_us = [s["finish_cpu_us"] for s in trace if "finish_cpu_us" in s]
@@ -208,6 +211,8 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         "profile": profile.name, "scheduler": scheduler, "requested_tokens": requested,
         "generated_tokens": generated, "makespan_s": round(wall, 3), "tokens_per_s": round(generated / wall, 1),
         "per_iteration_tokens_per_s": per_pass,
+        # When and where it ran, to pair it with a run that ran at the same time on another GPU (time_paired_ratios).
+        "started_at": round(started_at, 1), "ended_at": round(ended_at, 1), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "preemptions": int(preemptions), "recomputed_tokens": int(recomputed) if trace else None,
         "recomputed_fraction": round(recomputed / generated, 4) if trace else None,
         "mean_running": round(statistics.mean(s["running"] for s in trace), 1) if trace else None,
@@ -225,6 +230,43 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         "steps": [[s["t"], s["running"], s["scheduled_tokens"], s["kv_usage"], s["preempted"], s["cap"],
                    s.get("step_ms")] for s in trace],
     }
+
+
+def time_paired_ratios(results: list[dict], base: str = "vllm") -> list[dict]:
+    """Each run's tok/s against the `base` run of its profile that ran at the same time on another GPU (the one
+    overlapping it most, by at least half the shorter run; each base run pairs once). A host's speed moves the
+    runs on all its GPUs alike: on cap-bound (stop 27, 2x H200) both GPUs ran 12.9-13.6k tok/s in one slot and
+    14.3-15.1k in the next, whichever scheduler ran, and such pairs halved the ratios' standard error against
+    pairs within one process. Needs `started_at`, `ended_at` and `gpu` (results from stop 27 on)."""
+    timed = [r for r in results if r.get("started_at") is not None and r.get("gpu") is not None]
+    candidates = []
+    for run in timed:
+        if run["scheduler"] == base:
+            continue
+        for other in timed:
+            if other["scheduler"] != base or other["profile"] != run["profile"] or other["gpu"] == run["gpu"]:
+                continue
+            overlap = min(run["ended_at"], other["ended_at"]) - max(run["started_at"], other["started_at"])
+            shorter = min(run["ended_at"] - run["started_at"], other["ended_at"] - other["started_at"])
+            if shorter > 0 and overlap >= 0.5 * shorter:
+                candidates.append((overlap / shorter, id(run), id(other), run, other))
+    pairs, used = [], set()
+    for share, run_id, other_id, run, other in sorted(candidates, key=lambda c: -c[0]):
+        if run_id in used or other_id in used:
+            continue
+        used.update((run_id, other_id))
+        pairs.append({"profile": run["profile"], "scheduler": run["scheduler"], "gpu": run["gpu"],
+                      "base_gpu": other["gpu"], "overlap": round(share, 3), "tokens_per_s": run["tokens_per_s"],
+                      "base_tokens_per_s": other["tokens_per_s"], "ratio": run["tokens_per_s"] / other["tokens_per_s"]})
+    return pairs
+
+
+def summarize_ratios(ratios: list[float]) -> dict:
+    """Geometric mean of ratios with the standard error of their logs, and their range."""
+    logs = np.log(np.asarray(ratios, dtype=float))
+    se = float(np.std(logs, ddof=1) / np.sqrt(len(logs))) if len(logs) > 1 else None
+    return {"n": len(logs), "geometric_mean": float(np.exp(logs.mean())), "log_standard_error": se,
+            "min": float(np.exp(logs.min())), "max": float(np.exp(logs.max()))}
 
 
 def policy_cost(trace: list[dict]) -> dict:

@@ -5,7 +5,9 @@
 # Each run is `python -m rollout.bench --config $CONFIG only=[PROFILE] reps=1 schedulers=[SCHEDULERS]` on that GPU
 # (CUDA_VISIBLE_DEVICES), written to OUT/TAG-g<GPU>-<PROFILE>-<SCHEDULERS>/ with its log beside it; a run that
 # would start with under a minute of SECONDS left is skipped, one still running at the end is stopped. Compare
-# schedulers within one GPU's chain (GPUs of one host differ by a few percent), and order them both ways.
+# schedulers within one GPU's chain (GPUs of one host differ by a few percent), and order them both ways; or
+# cross the chains ("0 cap-bound:forecast cap-bound:vllm" "1 cap-bound:vllm cap-bound:forecast") and pair the
+# runs that ran at the same time, where the host's speed cancels: python scripts/paired_ratios.py OUT.
 # OUT/TAG.tgz packs everything the runs wrote (plots left out), for machines that return few files.
 set -u
 out=$1; tag=$2; limit=$3; shift 3

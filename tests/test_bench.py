@@ -27,6 +27,7 @@ def test_cpu_benchmark_smoke(tmp_path):
         passes = r["per_iteration_tokens_per_s"]  # the whole run's rate is a weighted mean of its passes'
         assert len(passes) == (2 if r["profile"] == "grpo-groups" else 1), passes
         assert min(passes) * 0.99 <= r["tokens_per_s"] <= max(passes) * 1.01
+        assert r["started_at"] < r["ended_at"] <= report["started"] + 3600  # for pairs across GPUs by time
         if r["scheduler"] == "oracle":
             assert r["preemptions"] == 0 and r["recomputed_tokens"] == 0  # it knows the lengths: no preemption
         if r["scheduler"] != "vllm":
@@ -90,3 +91,24 @@ def test_the_machine_is_named_without_nvidia_smi(monkeypatch):
     monkeypatch.setenv("PATH", "")  # no nvidia-smi to ask (as on a machine without NVIDIA's driver)
     ran_on = machine(gpu=True)
     assert ran_on["gpus"] == [] and ran_on["cpu_count"] >= 1
+
+
+def test_runs_pair_with_the_default_run_that_ran_at_the_same_time_on_another_gpu():
+    from rollout.bench import summarize_ratios, time_paired_ratios
+
+    def run(scheduler, gpu, start, end, tok_s, profile="cap-bound"):
+        return {"profile": profile, "scheduler": scheduler, "gpu": gpu, "started_at": start, "ended_at": end,
+                "tokens_per_s": tok_s}
+
+    results = [run("forecast", "0", 0, 50, 100.0), run("vllm", "1", 1, 52, 90.0),  # a slow slot
+               run("vllm", "0", 50, 100, 120.0), run("forecast", "1", 52, 101, 125.0),  # a fast one
+               run("vllm", "1", 200, 250, 80.0),  # ran alone
+               run("forecast", "0", 300, 350, 50.0), run("vllm", "0", 300, 350, 60.0),  # one GPU: no pair
+               run("forecast", "0", 400, 450, 70.0), run("vllm", "1", 400, 450, 70.0, profile="kv-bound"),
+               run("forecast", "1", 500, 600, 70.0), run("vllm", "0", 570, 640, 70.0)]  # overlap under half
+    pairs = time_paired_ratios(results)
+    assert sorted((p["gpu"], p["base_gpu"], round(p["ratio"], 4)) for p in pairs) == [
+        ("0", "1", round(100 / 90, 4)), ("1", "0", round(125 / 120, 4))]
+    summary = summarize_ratios([1.1, 1 / 1.1])
+    assert summary["geometric_mean"] == pytest.approx(1.0) and summary["n"] == 2
+    assert summary["min"] == pytest.approx(1 / 1.1) and summary["log_standard_error"] == pytest.approx(0.0953, abs=1e-3)
