@@ -21,6 +21,7 @@ from rollout.config import RunConfig
 from rollout.data import Prompt, has_tokenizer
 from rollout.models import resolve_model
 from rollout.policy.length_stats import PromptLengths, prompt_key
+from rollout.policy.probes import probe_first_order
 
 TRACE_FILE = "trace.jsonl"
 STATS_FILE = "length_stats.json"
@@ -145,16 +146,19 @@ class RolloutEngine:
         # vLLM's metrics are process-wide and cumulative across generate() calls: callers take differences.
         return sum(getattr(metric, "value", 0) for metric in self.llm.get_metrics() if metric.name == name)
 
-    def sampling_params(self, seed: int, length_scale: float = 1.0, nominal_max_tokens: int | None = None):
+    def sampling_params(self, seed: int, length_scale: float = 1.0, nominal_max_tokens: int | None = None,
+                        probe_group: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from rollout.vllm_adapter import LENGTH_SCALE_KEY, NOMINAL_MAX_TOKENS_KEY
+        from rollout.vllm_adapter import LENGTH_SCALE_KEY, NOMINAL_MAX_TOKENS_KEY, PROBE_GROUP_KEY
 
         s = self.cfg.sampling
         extra = {LENGTH_SCALE_KEY: length_scale} if length_scale != 1.0 else {}
         if nominal_max_tokens is not None:
             extra[NOMINAL_MAX_TOKENS_KEY] = nominal_max_tokens
+        if probe_group is not None:
+            extra[PROBE_GROUP_KEY] = probe_group
         return SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                               seed=seed if self.per_request_seeds else None, logprobs=s.logprobs,
                               ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,
@@ -182,24 +186,32 @@ class RolloutEngine:
         start = time.monotonic()
         submitted = []
         keys = [prompt_key(p.token_ids) for p in prompts]
-        known = int((~np.isnan(self.prompt_lengths.predict(keys))).sum())
+        unknown = np.isnan(self.prompt_lengths.predict(keys))
+        known = int((~unknown).sum())
         scales, order, prior = np.ones(len(prompts)), range(len(prompts)), np.array([])
         if self.cfg.policy.order == "longest_first":
             scales = self.prompt_lengths.scales(keys)
             order = sorted(order, key=lambda i: -scales[i])  # stable: ties keep the set's order
             prior = self.prompt_lengths.prior(keys, scales)
         self._write_prior(prior)
-        for index in order:
+        pairs = [(i, s) for i in order for s in range(n)]
+        probed = {}  # a group id for each prompt of unknown lengths with several requests (its samples, copies)
+        if self.cfg.policy.probe_first:
+            requests_of = Counter(keys[i] for i, _ in pairs)
+            for i, _ in pairs:
+                if unknown[i] and requests_of[keys[i]] > 1:
+                    probed.setdefault(keys[i], len(probed))
+            pairs = [pairs[k] for k in probe_first_order([keys[i] for i, _ in pairs], [keys[i] in probed for i, _ in pairs])]
+        for index, sample in pairs:
             prompt = prompts[index]
-            for sample in range(n):
-                if (prompt.prompt_id, sample) in done:
-                    continue
-                params = self.sampling_params(self.cfg.sampling.seed + index * n + sample, float(scales[index]),
-                                              nominal_max_tokens)
-                if max_tokens is not None:
-                    params.max_tokens = max_tokens[index]
-                engine.add_request(f"{index}:{sample}", {"prompt_token_ids": prompt.token_ids}, params)
-                submitted.append(f"{index}:{sample}")
+            if (prompt.prompt_id, sample) in done:
+                continue
+            params = self.sampling_params(self.cfg.sampling.seed + index * n + sample, float(scales[index]),
+                                          nominal_max_tokens, probed.get(keys[index]))
+            if max_tokens is not None:
+                params.max_tokens = max_tokens[index]
+            engine.add_request(f"{index}:{sample}", {"prompt_token_ids": prompt.token_ids}, params)
+            submitted.append(f"{index}:{sample}")
         new, batch, last_poll, last_sink = [], [], 0.0, time.monotonic()
         bar = tqdm(total=len(prompts) * n, initial=len(done), unit="sample", disable=not progress,
                    dynamic_ncols=True)

@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from operator import attrgetter
 
 import numpy as np
@@ -39,6 +39,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from rollout.policy import FallbackPolicy, LengthStats, StepState, make_policy, shared_prompt_blocks
+from rollout.policy.probes import SiblingOrder, reorder_siblings
 
 SETTINGS_KEY = "rollout"
 _request_id = attrgetter("request_id")
@@ -54,12 +55,23 @@ LENGTH_SCALE_KEY = "rollout_length_scale"
 # limit a trainer would have given, which is all the policy is told (the oracle reads the true one).
 NOMINAL_MAX_TOKENS_KEY = "rollout_nominal_max_tokens"
 PASS_PRIOR_FILE = "pass_prior.json"  # beside the trace: the driver's expected lengths for the next pass
+# The samples of a prompt whose lengths the driver does not know carry its group (policy.probe_first): as they
+# finish, the waiting ones are reordered (rollout/policy/probes.py).
+PROBE_GROUP_KEY = "rollout_probe_group"
 
 
 def _extra_arg(request, key: str, default):
     """What the driver set under `key` in the request's SamplingParams.extra_args, else `default`."""
     extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
     return extra.get(key, default) if extra else default
+
+
+def probe_group(request) -> int | None:
+    return _extra_arg(request, PROBE_GROUP_KEY, None)
+
+
+def _started(request) -> bool:
+    return request.num_output_tokens > 0 or request.num_computed_tokens > 0
 
 
 def length_scale(request) -> float:
@@ -157,6 +169,7 @@ class _DynamicBatchMixin:
         self._columns = np.zeros((1024, 5))
         self._output_lists = True  # every request keeps its output in a list (see _output_list)
         self._finished = 0
+        self._sibling_order = SiblingOrder()
         self._recomputed = 0
         self._finish_cpu_us = 0.0  # observe_finished since the last step recorded
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
@@ -207,10 +220,14 @@ class _DynamicBatchMixin:
         # A prompt of one sample tells its siblings nothing: groups count only where some prompt has several (as
         # the StepState's group columns), which on kv-bound spared each finish the sibling bookkeeping.
         group = int(self._columns[row, GROUP]) if row is not None and self._grouped else -1
+        probed = probe_group(request)
+        if probed is not None:
+            self._sibling_order.observe(probed, request.num_output_tokens)
         if self._pending == 0:  # rows and groups are a pass's
             self._groups.clear()
             self._grouped_requests = 0
             self._row.clear()
+            self._sibling_order.forget()
         started_cpu = time.thread_time()
         self.batch_policy.observe_finished(request.num_prompt_tokens, request.num_output_tokens,
                                            length_scale(request), group, -1 if row is None else row)
@@ -221,6 +238,8 @@ class _DynamicBatchMixin:
     def schedule(self, *args, **kwargs):
         num_running, num_waiting = self.get_request_counts()
         started, started_cpu = time.perf_counter(), time.thread_time()
+        if self._sibling_order.dirty:
+            self._reorder_waiting()
         state = StepState(
             num_running=num_running, num_waiting=num_waiting,
             kv_capacity_blocks=self.kv_capacity_blocks, block_size=self.block_size,
@@ -304,6 +323,16 @@ class _DynamicBatchMixin:
             record.update(step_ms=round(latency * 1e3, 3), decode_requests=decode_requests,
                           prefill_tokens=prefill_tokens)
             self._write(record)
+
+    def _reorder_waiting(self) -> None:
+        """A probed group's first sample finished: its waiting siblings move to their place (longest first)."""
+        queue = self.waiting
+        if not isinstance(queue, deque):  # priority scheduling: vLLM's heap keeps its own order
+            self._sibling_order.dirty = False
+            return
+        reordered = reorder_siblings(list(queue), self._sibling_order, group_of=probe_group, started=_started)
+        queue.clear()
+        queue.extend(reordered)
 
     def _describe(self, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Output tokens so far, rows in the pass and the pass's columns of `requests`."""

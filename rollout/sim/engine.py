@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout.policy import StepState, shared_prompt_blocks
+from rollout.policy.probes import SiblingOrder, reorder_siblings
 
 
 @dataclass
@@ -57,6 +58,7 @@ class SimRequest:
     output_tokens: int
     length_scale: float = 1.0  # predicted length relative to the average (the driver's per-prompt memory)
     group: int | None = None  # requests of one group share the prompt (prefix caching)
+    probe_group: int | None = None  # a first-pass probe's group (rollout/policy/probes.py): its place may move
     row: int = -1  # its place in the pass (what the policy is told when it finishes)
     generated: int = 0
     computed: int = 0  # tokens whose KV is in the cache
@@ -88,10 +90,12 @@ class SimResult:
 
 def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
              token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
-             prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None) -> SimResult:
-    """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group]]), in arrival order) to
-    completion under `policy`. `nominal_max_tokens`: the max_tokens the policy is told, as the benchmark tells
-    the adapter (None: each request's own length, a request whose max_tokens is its length)."""
+             prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
+             sibling_order: SiblingOrder | None = None) -> SimResult:
+    """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group]]]), in
+    arrival order) to completion under `policy`. `nominal_max_tokens`: the max_tokens the policy is told, as the
+    benchmark tells the adapter (None: each request's own length, a request whose max_tokens is its length).
+    `sibling_order`: reorders the waiting requests of probed groups as their samples finish, as the adapter."""
     waiting = deque(SimRequest(*r, row=k) for k, r in enumerate(requests))
     policy.start_pass(prior_lengths)
     running: list[SimRequest] = []
@@ -119,6 +123,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     groups = [r.group for r in waiting if r.group is not None]
     grouped = share_prompts and len(set(groups)) < len(groups)
     while waiting or running:
+        if sibling_order is not None and sibling_order.dirty:
+            waiting = deque(reorder_siblings(list(waiting), sibling_order))
         pending = len(waiting) + len(running)
         state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
                           block_size=block_size, kv_free_blocks=free, pending_prompt_tokens_mean=pending_prompt / pending,
@@ -210,6 +216,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 pending_max -= nominal_max_tokens or r.output_tokens
                 policy.observe_finished(r.prompt_tokens, r.output_tokens, r.length_scale,
                                         -1 if r.group is None else r.group, r.row)
+                if sibling_order is not None and r.probe_group is not None:
+                    sibling_order.observe(r.probe_group, r.output_tokens)
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
     return SimResult(clock, generated, preemptions, recomputed, steps, trace)

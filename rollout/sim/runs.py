@@ -5,6 +5,7 @@ scales, the pass prior)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,6 +13,7 @@ import numpy as np
 from rollout.bench import BenchConfig, scheduler_policy
 from rollout.policy import make_policy
 from rollout.policy.length_stats import PromptLengths, prompt_key
+from rollout.policy.probes import SiblingOrder, probe_first_order
 from rollout.sim.engine import StepTimeModel, simulate
 from rollout.workloads import ProfileConfig, longest_first, profile_requests
 
@@ -49,19 +51,27 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
     for iteration in range(profile.iterations):
         requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
         keys = [prompt_key(r.prompt.token_ids) for r in requests]
-        scales, prior = np.ones(len(requests)), None
+        scales, prior, probed = np.ones(len(requests)), None, [None] * len(requests)
         if name.split(":")[0] == "oracle":
             requests = longest_first(requests)
         elif settings.get("order") == "longest_first":
             scales = memory.scales(keys)
             prior = memory.prior(keys, scales) if memory.last else None
             order = sorted(range(len(requests)), key=lambda i: -scales[i])
-            requests, keys, scales = [requests[i] for i in order], [keys[i] for i in order], scales[order]
-        result = simulate([(len(r.prompt.token_ids), r.output_tokens, s, r.group) for r, s in zip(requests, scales)],
-                          policy,
+            if settings.get("probe_first"):  # as RolloutEngine: a probe of each unknown prompt, its siblings last
+                size = Counter(r.group for r in requests)
+                unknown = np.isnan(memory.predict(keys)) & np.array([size[r.group] > 1 for r in requests])
+                order = [order[k] for k in probe_first_order([requests[i].group for i in order],
+                                                             [unknown[i] for i in order])]
+                probed = [requests[i].group if unknown[i] else None for i in range(len(requests))]
+            requests, keys, scales, probed = ([requests[i] for i in order], [keys[i] for i in order], scales[order],
+                                              [probed[i] for i in order])
+        result = simulate([(len(r.prompt.token_ids), r.output_tokens, s, r.group, g)
+                           for r, s, g in zip(requests, scales, probed)], policy,
                           kv_capacity_blocks=kv_capacity_tokens // block_size, block_size=block_size,
                           max_num_seqs=int(settings["b_max"]), token_budget=token_budget, step_time=step_time,
-                          prior_lengths=prior, nominal_max_tokens=profile.max_output)
+                          prior_lengths=prior, nominal_max_tokens=profile.max_output,
+                          sibling_order=SiblingOrder() if settings.get("probe_first") else None)
         by_prompt: dict[str, list[int]] = {}
         for key, r in zip(keys, requests):
             by_prompt.setdefault(key, []).append(r.output_tokens)

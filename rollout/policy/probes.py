@@ -1,0 +1,70 @@
+"""First-pass probes: where nothing is known of a prompt's lengths (an RL run's first iteration), one sample of
+each such prompt is submitted first and its siblings after everything else; as the probes finish, the waiting
+siblings are ordered: a group whose probe still runs first (it is long), then by the length its finished samples
+ran, longest first. Longest-first order needs lengths before requests run; the probe is what can be had.
+
+In the simulator (H200 step model, grpo-groups' first pass; stop 27) this ran +6.7%, +2.0% and +4.8% (seeds 0-2)
+over submission order with the forecast; probes without the reordering lost 3% (a group's prompt computed twice).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def probe_first_order(groups: Sequence, unknown: Sequence[bool]) -> list[int]:
+    """Submission order, as positions into `groups` (each request's prompt, in the order it would go): the first
+    request of every prompt with `unknown` lengths stays in place, the others of that prompt go to the end."""
+    seen, first, held = set(), [], []
+    for k, (group, is_unknown) in enumerate(zip(groups, unknown)):
+        if is_unknown and group in seen:
+            held.append(k)
+        else:
+            first.append(k)
+            seen.add(group)
+    return first + held
+
+
+class SiblingOrder:
+    """Where a probed group's waiting samples belong: its finished samples' mean length (longest first), and
+    ahead of every finished group while none has finished."""
+
+    def __init__(self) -> None:
+        self._total: dict[int, float] = {}
+        self._count: dict[int, int] = {}
+        self.dirty = False  # a group finished its first sample since the last `order`
+
+    def observe(self, group: int, output_tokens: int) -> None:
+        if group not in self._count:
+            self.dirty = True  # later samples refine a group's place; its first one moves it
+        self._total[group] = self._total.get(group, 0.0) + output_tokens
+        self._count[group] = self._count.get(group, 0) + 1
+
+    def sort_key(self, group: int) -> float:
+        count = self._count.get(group)
+        return -math.inf if count is None else -self._total[group] / count
+
+    def order(self, groups: Sequence[int]) -> list[int]:
+        """Positions of `groups` (waiting requests' groups, in queue order) in their new order; stable, so a
+        group's samples stay together and a probe stays ahead of its group's siblings."""
+        self.dirty = False
+        return sorted(range(len(groups)), key=lambda k: self.sort_key(groups[k]))
+
+    def forget(self) -> None:
+        """A pass ended."""
+        self._total.clear()
+        self._count.clear()
+        self.dirty = False
+
+
+def reorder_siblings(queue: list, sibling_order: SiblingOrder, group_of=lambda r: r.probe_group,
+                     started=lambda r: r.generated > 0) -> list:
+    """`queue` with its probed, not yet started requests in `sibling_order`'s order, each of the others in its
+    place (a preempted request keeps its place at the front)."""
+    places = [k for k, r in enumerate(queue) if group_of(r) is not None and not started(r)]
+    moved = [queue[k] for k in places]
+    result = list(queue)
+    for k, j in zip(places, sibling_order.order([group_of(r) for r in moved])):
+        result[k] = moved[j]
+    return result
