@@ -24,7 +24,7 @@ def test_waiting_siblings_go_longest_first_with_unfinished_groups_ahead():
     assert order.dirty
     # Queue: a preempted request of group 1 (started), then siblings of groups 1, 2 and 3 (3's probe still runs).
     queue = [("p", 1, True), ("x", 1, False), ("y", 1, False), ("z", 2, False), ("w", 3, False), ("v", None, False)]
-    reordered = reorder_siblings(queue, order, group_of=lambda r: r[1], started=lambda r: r[2])
+    reordered = reorder_siblings(queue, order, [r[1] for r in queue], [r[2] for r in queue])
     assert [r[0] for r in reordered] == ["p", "w", "z", "x", "y", "v"]
     assert not order.dirty
     order.observe(2, 300)  # a group's later samples refine its place but do not call for a reordering

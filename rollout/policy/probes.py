@@ -49,7 +49,8 @@ class SiblingOrder:
         """Positions of `groups` (waiting requests' groups, in queue order) in their new order; stable, so a
         group's samples stay together and a probe stays ahead of its group's siblings."""
         self.dirty = False
-        return sorted(range(len(groups)), key=lambda k: self.sort_key(groups[k]))
+        key_of = {group: self.sort_key(group) for group in set(groups)}
+        return sorted(range(len(groups)), key=list(map(key_of.__getitem__, groups)).__getitem__)
 
     def forget(self) -> None:
         """A pass ended."""
@@ -58,13 +59,11 @@ class SiblingOrder:
         self.dirty = False
 
 
-def reorder_siblings(queue: list, sibling_order: SiblingOrder, group_of=lambda r: r.probe_group,
-                     started=lambda r: r.generated > 0) -> list:
-    """`queue` with its probed, not yet started requests in `sibling_order`'s order, each of the others in its
-    place (a preempted request keeps its place at the front)."""
-    places = [k for k, r in enumerate(queue) if group_of(r) is not None and not started(r)]
-    moved = [queue[k] for k in places]
+def reorder_siblings(queue: list, sibling_order: SiblingOrder, groups: list, started: list) -> list:
+    """`queue` with its probed (`groups[k]` not None), not yet `started` requests in `sibling_order`'s order, each
+    of the others in its place (a preempted request keeps its place at the front)."""
+    places = [k for k, (group, began) in enumerate(zip(groups, started)) if group is not None and not began]
     result = list(queue)
-    for k, j in zip(places, sibling_order.order([group_of(r) for r in moved])):
-        result[k] = moved[j]
+    for k, j in zip(places, sibling_order.order([groups[k] for k in places])):
+        result[k] = queue[places[j]]
     return result

@@ -124,7 +124,9 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     grouped = share_prompts and len(set(groups)) < len(groups)
     while waiting or running:
         if sibling_order is not None and sibling_order.dirty:
-            waiting = deque(reorder_siblings(list(waiting), sibling_order))
+            queue = list(waiting)
+            waiting = deque(reorder_siblings(queue, sibling_order, [r.probe_group for r in queue],
+                                             [r.generated > 0 for r in queue]))
         pending = len(waiting) + len(running)
         state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
                           block_size=block_size, kv_free_blocks=free, pending_prompt_tokens_mean=pending_prompt / pending,
