@@ -195,19 +195,16 @@ class RolloutEngine:
             prior = self.prompt_lengths.prior(keys, scales)
         self._write_prior(prior)
         pairs = [(i, s) for i in order for s in range(n)]
-        probed = {}  # a group id for each prompt of unknown lengths with several requests (its samples, copies)
-        if self.cfg.policy.probe_first:
-            requests_of = Counter(keys[i] for i, _ in pairs)
-            for i, _ in pairs:
-                if unknown[i] and requests_of[keys[i]] > 1:
-                    probed.setdefault(keys[i], len(probed))
-            pairs = [pairs[k] for k in probe_first_order([keys[i] for i, _ in pairs], [keys[i] in probed for i, _ in pairs])]
-        for index, sample in pairs:
+        probe_groups = [None] * len(pairs)
+        if self.cfg.policy.probe_first:  # a prompt's samples, or copies of it, are its group
+            positions, probe_groups = probe_first_order([keys[i] for i, _ in pairs], [unknown[i] for i, _ in pairs])
+            pairs = [pairs[k] for k in positions]
+        for (index, sample), probe_group in zip(pairs, probe_groups):
             prompt = prompts[index]
             if (prompt.prompt_id, sample) in done:
                 continue
             params = self.sampling_params(self.cfg.sampling.seed + index * n + sample, float(scales[index]),
-                                          nominal_max_tokens, probed.get(keys[index]))
+                                          nominal_max_tokens, probe_group)
             if max_tokens is not None:
                 params.max_tokens = max_tokens[index]
             engine.add_request(f"{index}:{sample}", {"prompt_token_ids": prompt.token_ids}, params)

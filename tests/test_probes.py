@@ -10,10 +10,10 @@ from rollout.policy.probes import SiblingOrder, probe_first_order, reorder_sibli
 
 
 def test_a_probe_of_each_unknown_prompt_goes_first_and_its_siblings_last():
-    groups = ["a", "a", "a", "b", "b", "c", "c", "c"]
-    unknown = [True, True, True, False, False, True, True, True]  # b's lengths are known: it stays whole
-    assert probe_first_order(groups, unknown) == [0, 3, 4, 5, 1, 2, 6, 7]
-    assert probe_first_order(groups, [False] * 8) == list(range(8))
+    groups = ["a", "a", "a", "b", "b", "c", "c", "c", "d"]
+    unknown = [True, True, True, False, False, True, True, True, True]  # b is known: whole; d alone: no probe
+    assert probe_first_order(groups, unknown) == ([0, 3, 4, 5, 8, 1, 2, 6, 7], [0, None, None, 1, None, 0, 0, 1, 1])
+    assert probe_first_order(groups, [False] * 9) == (list(range(9)), [None] * 9)
 
 
 def test_waiting_siblings_go_longest_first_with_unfinished_groups_ahead():
@@ -42,15 +42,15 @@ def test_in_the_simulator_a_long_groups_siblings_start_before_a_short_ones():
     model = StepTimeModel(base=5e-3, per_seq=2e-5, per_kv_token=0.0, per_prefill_token=1.7e-5, per_mixed_step=5e-3)
     # Four prompts x 4 samples, in submission order short, long, short, long; two run at a time.
     lengths = {0: 8, 1: 200, 2: 8, 3: 200}
-    requests = [(32, lengths[g], 1.0, g, g) for g in range(4) for _ in range(4)]
-    order = probe_first_order([r[3] for r in requests], [True] * len(requests))
+    requests = [(32, lengths[g], 1.0, g) for g in range(4) for _ in range(4)]
+    order, probed = probe_first_order([r[3] for r in requests], [True] * len(requests))
     finished = []
 
     class Recording(type(make_policy({"name": "static", "b_max": 2}))):
         def observe_finished(self, prompt_tokens, output_tokens, length_scale=1.0, group=-1, row=-1):
             finished.append((group, row))
 
-    result = simulate([requests[k] for k in order], Recording(2, 2), kv_capacity_blocks=1000, block_size=16,
+    result = simulate([(*requests[k], g) for k, g in zip(order, probed)], Recording(2, 2), kv_capacity_blocks=1000, block_size=16,
                       max_num_seqs=2, token_budget=4096, step_time=model, sibling_order=SiblingOrder())
     assert result.generated_tokens == sum(r[1] for r in requests)
     probes = {row for row in range(4)}  # rows 0-3 of the submitted order are the probes

@@ -10,20 +10,28 @@ over submission order with the forecast; probes without the reordering lost 3% (
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Sequence
 
 
-def probe_first_order(groups: Sequence, unknown: Sequence[bool]) -> list[int]:
-    """Submission order, as positions into `groups` (each request's prompt, in the order it would go): the first
-    request of every prompt with `unknown` lengths stays in place, the others of that prompt go to the end."""
-    seen, first, held = set(), [], []
+def probe_first_order(groups: Sequence, unknown: Sequence[bool]) -> tuple[list[int], list[int | None]]:
+    """Submission order with probes, for requests in the order they would go (`groups`: each one's prompt;
+    `unknown`: nothing is known of its prompt's lengths). A prompt of unknown lengths with several requests is
+    probed: its first request stays in place, the others go to the end. Returns the new order (positions into
+    `groups`) and, in the new order, each request's probe group (a number per probed prompt) or None."""
+    size = Counter(groups)
+    probed: dict = {}
+    first, held = [], []
     for k, (group, is_unknown) in enumerate(zip(groups, unknown)):
-        if is_unknown and group in seen:
+        if not is_unknown or size[group] < 2:
+            first.append(k)
+        elif group in probed:
             held.append(k)
         else:
+            probed[group] = len(probed)
             first.append(k)
-            seen.add(group)
-    return first + held
+    order = first + held
+    return order, [probed.get(groups[k]) for k in order]
 
 
 class SiblingOrder:

@@ -5,7 +5,6 @@ scales, the pass prior)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,13 +58,10 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
             prior = memory.prior(keys, scales) if memory.last else None
             order = sorted(range(len(requests)), key=lambda i: -scales[i])
             if settings.get("probe_first"):  # as RolloutEngine: a probe of each unknown prompt, its siblings last
-                size = Counter(r.group for r in requests)
-                unknown = np.isnan(memory.predict(keys)) & np.array([size[r.group] > 1 for r in requests])
-                order = [order[k] for k in probe_first_order([requests[i].group for i in order],
-                                                             [unknown[i] for i in order])]
-                probed = [requests[i].group if unknown[i] else None for i in range(len(requests))]
-            requests, keys, scales, probed = ([requests[i] for i in order], [keys[i] for i in order], scales[order],
-                                              [probed[i] for i in order])
+                unknown = np.isnan(memory.predict(keys))
+                positions, probed = probe_first_order([requests[i].group for i in order], [unknown[i] for i in order])
+                order = [order[k] for k in positions]
+            requests, keys, scales = [requests[i] for i in order], [keys[i] for i in order], scales[order]
         result = simulate([(len(r.prompt.token_ids), r.output_tokens, s, r.group, g)
                            for r, s, g in zip(requests, scales, probed)], policy,
                           kv_capacity_blocks=kv_capacity_tokens // block_size, block_size=block_size,
