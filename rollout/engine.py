@@ -196,7 +196,7 @@ class RolloutEngine:
         self._write_prior(prior)
         pairs = [(i, s) for i in order for s in range(n)]
         probe_groups = [None] * len(pairs)
-        if self.cfg.policy.probe_first:  # a prompt's samples, or copies of it, are its group
+        if self.cfg.policy.probe_first and self.cfg.policy.order == "longest_first":  # a prompt's samples are its group
             positions, probe_groups = probe_first_order([keys[i] for i, _ in pairs], [unknown[i] for i, _ in pairs])
             pairs = [pairs[k] for k in positions]
         for (index, sample), probe_group in zip(pairs, probe_groups):

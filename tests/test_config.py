@@ -42,7 +42,6 @@ def test_config_file_is_merged(tmp_path):
     (["policy.sla_window=0"], "policy.sla_window must be >= 1, got 0"),
     (["policy.sla_relax=-1"], "must be >= 0"),
     (["policy.order=random"], "policy.order: 'random' is not fifo or longest_first"),
-    (["policy.order=fifo", "policy.probe_first=true"], "policy.probe_first needs policy.order=longest_first"),
     (["policy.forecast_carry_over=2"], "policy.forecast_carry_over must be in [0, 1], got 2"),
     (["policy.forecast_cold_start=guess"], "policy.forecast_cold_start must be gamma or memory, got 'guess'"),
     (["policy.forecast_cold_start_shape=0"], "policy.forecast_cold_start_shape must be > 0, got 0"),

@@ -58,6 +58,23 @@ def test_running_siblings_keep_a_groups_first_short_finisher_from_pulling_it_dow
     assert np.exp(running.pivot + running.offset[7]) > 400
 
 
+def test_a_waiting_sample_whose_siblings_all_run_is_as_long_as_they_have_run():
+    # First-pass probes: a group's probe runs long, none of its samples finished; its waiting siblings go first.
+    rng = np.random.default_rng(4)
+    siblings = SiblingLengths()
+    finished_groups(siblings, rng, groups=40, per_group=2, between=0.5, within=0.1)
+    groups = np.array([50, 51, 50, 52])  # running: group 50's probe (900 tokens so far), group 51's (5); waiting
+    generated = np.array([900.0, 5.0, 0.0, 0.0])
+    informed = siblings.informed(groups, generated, np.ones(4), running=2)
+    shorter = siblings.informed(groups, np.array([300.0, 5.0, 0.0, 0.0]), np.ones(4), running=2)
+    # The probe's sibling: the longer the probe has run, the longer it is (the group's centre, so not the probe's
+    # own length: the sibling differs from it by the within-group spread).
+    assert 0 < shorter.offset[2] < informed.offset[2]
+    assert np.exp(informed.pivot + informed.offset[2]) > 2 * np.exp(informed.pivot)
+    assert informed.offset[3] == 0 and informed.spread[3] == 1  # group 52: nothing runs, nothing finished
+    assert informed.offset[0] == 0 and informed.spread[0] == 1  # a running row keeps its own conditioning
+
+
 def test_no_sibling_no_change_and_what_siblings_say_moves_admissions():
     rng = np.random.default_rng(3)
     lengths = CensoredLengths(bin_tokens=16)

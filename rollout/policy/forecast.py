@@ -264,6 +264,15 @@ class SiblingLengths:
         in_range = (groups >= 0) & (groups < len(self.count))
         known = in_range.copy()
         known[in_range] = self.count[groups[in_range]] > 0
+        # A waiting request whose siblings all still run learns from them alone: longer than their output so
+        # far. First-pass probes put such requests first (their groups are the long ones); read as the pass's
+        # average, their admission preempted up to 1.3% of tokens on an H200.
+        # Only moved up, not narrowed: a censored look at a group is no measure of its spread (narrowed, the
+        # simulator's grpo-groups preempted 1.7% of its tokens on one seed of four).
+        only_running = np.zeros(len(groups), dtype=bool)
+        only_running[running:] = in_range[running:] & ~known[running:] & np.isin(
+            groups[running:], groups[:running][in_range[:running]])
+        known |= only_running
         if not known.any():  # no running or waiting request has a finished sibling (groups of one)
             return None
         censored = np.log(np.maximum(generated[:running], 1.0) / scale[:running])
@@ -276,8 +285,8 @@ class SiblingLengths:
         between = max(sd ** 2 - within, 1e-4)
         used, index = np.unique(groups[known], return_inverse=True)
         count, total = self.count[used], self.total[used]
-        running_known = known[:running]
-        index_running, points = index[:np.count_nonzero(running_known)], censored[running_known]
+        evidence = in_range[:running] & np.isin(groups[:running], used)  # every running sample of those groups
+        index_running, points = np.searchsorted(used, groups[:running][evidence]), censored[evidence]
         within_sd = np.sqrt(within)
         # Normal-normal posterior from the finished samples, then Newton steps on the censored likelihood (concave).
         offset = (total - count * mu) / (count + within / between)
@@ -293,6 +302,7 @@ class SiblingLengths:
         spread = np.sqrt(np.minimum((within - 1.0 / hess) / sd ** 2, 1.0))
         row_offset, row_spread = np.zeros(len(groups)), np.ones(len(groups))
         row_offset[known], row_spread[known] = offset[index], spread[index]
+        row_spread[only_running] = 1.0
         return Informed(row_offset, row_spread, mu)
 
 

@@ -122,16 +122,22 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     # As the adapter: group columns only when some prompt has several samples.
     groups = [r.group for r in waiting if r.group is not None]
     grouped = share_prompts and len(set(groups)) < len(groups)
+
+    def reorder() -> deque:
+        queue = list(waiting)
+        return deque(reorder_siblings(queue, sibling_order, [r.probe_group for r in queue],
+                                      [r.generated > 0 for r in queue]))
+
     while waiting or running:
-        if sibling_order is not None and sibling_order.dirty:
-            queue = list(waiting)
-            waiting = deque(reorder_siblings(queue, sibling_order, [r.probe_group for r in queue],
-                                             [r.generated > 0 for r in queue]))
         pending = len(waiting) + len(running)
         state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
                           block_size=block_size, kv_free_blocks=free, pending_prompt_tokens_mean=pending_prompt / pending,
                           pending_max_tokens_mean=pending_max / pending, max_tokens_bound=max_tokens_bound)
-        if policy.wants_requests(state):
+        wants_requests = policy.wants_requests(state)
+        # As the adapter: reordered only where the policy reads the queue's head or admission takes from it.
+        if sibling_order is not None and sibling_order.dirty and wants_requests:
+            waiting = reorder()
+        if wants_requests:
             state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
             state.running_remaining = np.array([r.output_tokens - r.generated for r in running], dtype=np.int64)
             limit = policy.waiting_limit()
@@ -152,6 +158,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 state.running_scale = np.array([r.length_scale for r in running])
                 state.waiting_scale = np.array([r.length_scale for r in head])
         cap = min(max(policy.batch_cap(state), len(running), 1), max_num_seqs)
+        if sibling_order is not None and sibling_order.dirty and cap > len(running):
+            waiting = reorder()
         budget, scheduled, preempted = token_budget, [], False
         i = 0
         while i < len(running) and budget > 0:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout.bench import BenchConfig, scheduler_policy
+from rollout.config import PolicyConfig
 from rollout.policy import make_policy
 from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import SiblingOrder, probe_first_order
@@ -44,6 +45,7 @@ def scheduler_settings(bench: BenchConfig, name: str) -> dict:
 def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,
                      kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384) -> ProfileRun:
     settings = scheduler_settings(bench, name)
+    probes = settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
     policy = make_policy({**settings, "graph_batch": step_time.graph_batch})  # as the adapter reads it from vLLM
     memory = PromptLengths()
     run = ProfileRun()
@@ -57,7 +59,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
             scales = memory.scales(keys)
             prior = memory.prior(keys, scales) if memory.last else None
             order = sorted(range(len(requests)), key=lambda i: -scales[i])
-            if settings.get("probe_first"):  # as RolloutEngine: a probe of each unknown prompt, its siblings last
+            if probes:  # as RolloutEngine: a probe of each unknown prompt, its siblings last
                 unknown = np.isnan(memory.predict(keys))
                 positions, probed = probe_first_order([requests[i].group for i in order], [unknown[i] for i in order])
                 order = [order[k] for k in positions]
@@ -67,7 +69,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                           kv_capacity_blocks=kv_capacity_tokens // block_size, block_size=block_size,
                           max_num_seqs=int(settings["b_max"]), token_budget=token_budget, step_time=step_time,
                           prior_lengths=prior, nominal_max_tokens=profile.max_output,
-                          sibling_order=SiblingOrder() if settings.get("probe_first") else None)
+                          sibling_order=SiblingOrder() if probes else None)
         by_prompt: dict[str, list[int]] = {}
         for key, r in zip(keys, requests):
             by_prompt.setdefault(key, []).append(r.output_tokens)
