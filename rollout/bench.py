@@ -4,7 +4,8 @@ Every scheduler on every workload profile, interleaved (each repetition runs all
 one starts), in one process on one machine. Schedulers: "vllm" (vLLM untouched, its default max_num_seqs),
 "static-N" (our adapter with a fixed cap N = max_num_seqs), "memory" (Algorithm 1), "memory-clt", "forecast"
 (length-aware admission from censored length estimates), "forecast-lpt" (forecast with each prompt's
-predicted length from earlier iterations: longest first, and scaled estimates), and "oracle" (true lengths,
+predicted length from earlier iterations: longest first, and scaled estimates; in a first pass, probes as
+`rollout.generate` sends them: `forecast-lpt:probe_first=false` for none), and "oracle" (true lengths,
 longest first, a prompt's samples together, admitted in waves as the forecast admits; a reference, not a policy
 one can deploy) and "oracle-fcfs" (the same admission in submission order, which separates what admission and
 what order are worth; `oracle-fcfs:forecast_min_wave=0` admits whatever fits at every step, as before stop 27).
