@@ -139,3 +139,34 @@ def test_in_waves_the_oracle_still_preempts_nothing_and_leaves_the_decode_graph_
         runs[min_wave] = (policy.prefill_steps, result.tokens_per_s)
     assert runs[0.08][0] < runs[0.0][0] / 2, runs
     assert runs[0.08][1] > runs[0.0][1], runs
+
+
+def test_the_oracle_searches_again_when_the_whole_queue_it_saw_fitted():
+    """vLLM's front end hands a pass to the engine over its first step: the oracle sees a few requests, all fit.
+    Waiting for a finish then held those few alone until the longest of them ended (stop 29, on the GPU)."""
+    policy = make_policy({"name": "oracle", "b_max": 1024})
+    first = StepState(num_running=0, num_waiting=4, kv_capacity_blocks=100_000, block_size=16)
+    first.running_tokens = first.running_remaining = np.zeros(0, dtype=np.int64)
+    first.waiting_tokens, first.waiting_remaining = np.full(4, 100), np.full(4, 4000)
+    assert policy.batch_cap(first) == 4
+    arrived = StepState(num_running=4, num_waiting=500, kv_capacity_blocks=100_000, block_size=16)
+    assert policy.wants_requests(arrived)
+
+
+def test_requests_that_reach_the_engine_after_its_first_step_wait_for_no_finish_under_the_oracle():
+    from rollout.sim import StepTimeModel, simulate
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(120), 0.8, 300), 1, 800)
+    requests = sorted(((64, int(n)) for n in lengths), key=lambda r: -r[1])  # longest first, as the oracle's
+    model = StepTimeModel(base=5e-3, per_seq=2e-5, per_kv_token=0.0, per_prefill_token=1.7e-5, per_mixed_step=5e-3)
+    runs = {}
+    for at_first_step in (None, 3):
+        result = simulate(requests, make_policy({"name": "oracle", "b_max": 256}), kv_capacity_blocks=600,
+                          block_size=16, max_num_seqs=256, token_budget=8192, step_time=model, keep_trace=True,
+                          requests_at_first_step=at_first_step)
+        assert result.generated_tokens == sum(n for _, n in requests)
+        runs[at_first_step] = result
+    assert runs[3].trace[0][1] == 3  # the simulator's engine held three requests at its first step
+    assert runs[3].trace[1][1] > 3  # and admitted more at the next, with the longest of the three far from done
+    assert runs[3].makespan_s < runs[None].makespan_s * 1.01

@@ -91,12 +91,18 @@ class SimResult:
 def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
              token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
              prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
-             sibling_order: SiblingOrder | None = None) -> SimResult:
+             sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None) -> SimResult:
     """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group]]]), in
     arrival order) to completion under `policy`. `nominal_max_tokens`: the max_tokens the policy is told, as the
     benchmark tells the adapter (None: each request's own length, a request whose max_tokens is its length).
-    `sibling_order`: reorders the waiting requests of probed groups as their samples finish, as the adapter."""
+    `sibling_order`: reorders the waiting requests of probed groups as their samples finish, as the adapter.
+    `requests_at_first_step`: how many requests the engine holds at its first step (None: all); the rest arrive
+    before the second, as vLLM's front end streams a batch into the engine core's process."""
     waiting = deque(SimRequest(*r, row=k) for k, r in enumerate(requests))
+    late: list[SimRequest] = []
+    if requests_at_first_step is not None and requests_at_first_step < len(waiting):
+        late = list(itertools.islice(waiting, max(requests_at_first_step, 1), None))
+        waiting = deque(itertools.islice(waiting, max(requests_at_first_step, 1)))
     policy.start_pass(prior_lengths)
     running: list[SimRequest] = []
     free = kv_capacity_blocks
@@ -115,12 +121,12 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         return freed
 
     clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
-    pending_prompt = sum(r[0] for r in requests)
-    pending_max = sum(nominal_max_tokens or r[1] for r in requests)
+    pending_prompt = sum(r.prompt_tokens for r in waiting)
+    pending_max = sum(nominal_max_tokens or r.output_tokens for r in waiting)
     max_tokens_bound = nominal_max_tokens or max((r[1] for r in requests), default=0)
     trace = []
     # As the adapter: group columns only when some prompt has several samples.
-    groups = [r.group for r in waiting if r.group is not None]
+    groups = [r.group for r in (*waiting, *late) if r.group is not None]
     grouped = share_prompts and len(set(groups)) < len(groups)
 
     def reorder() -> deque:
@@ -228,6 +234,11 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                                         -1 if r.group is None else r.group, r.row)
                 if sibling_order is not None and r.probe_group is not None:
                     sibling_order.observe(r.probe_group, r.output_tokens)
+        if late:
+            waiting.extend(late)
+            pending_prompt += sum(r.prompt_tokens for r in late)
+            pending_max += sum(nominal_max_tokens or r.output_tokens for r in late)
+            late = []
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
     return SimResult(clock, generated, preemptions, recomputed, steps, trace)

@@ -18,6 +18,9 @@ from rollout.sim.engine import StepTimeModel, simulate
 from rollout.workloads import ProfileConfig, longest_first, profile_requests
 
 VLLM_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's offline default on H100/H200-class GPUs (untouched vLLM)
+# Requests in vLLM's engine at its first step of a pass: 1-6 in stop 29's GPU runs (8B shape, H200), the rest
+# arrive during that step's prefill.
+REQUESTS_AT_FIRST_STEP = 4
 
 
 @dataclass
@@ -69,7 +72,8 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                           kv_capacity_blocks=kv_capacity_tokens // block_size, block_size=block_size,
                           max_num_seqs=int(settings["b_max"]), token_budget=token_budget, step_time=step_time,
                           prior_lengths=prior, nominal_max_tokens=profile.max_output,
-                          sibling_order=SiblingOrder() if probes else None)
+                          sibling_order=SiblingOrder() if probes else None,
+                          requests_at_first_step=REQUESTS_AT_FIRST_STEP)
         by_prompt: dict[str, list[int]] = {}
         for key, r in zip(keys, requests):
             by_prompt.setdefault(key, []).append(r.output_tokens)
