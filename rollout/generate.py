@@ -41,8 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def output_settings(cfg: RunConfig) -> dict:
     """What decides the samples: a resumed run must match it (engine capacity knobs may change)."""
+    from rollout.engine import engine_dtype
+
     m = cfg.model
-    return {"model": {"path": m.path, "dtype": m.dtype, "max_model_len": m.max_model_len},
+    return {"model": {"path": m.path, "dtype": engine_dtype(m.dtype), "max_model_len": m.max_model_len},
             "data": asdict(cfg.data), "sampling": asdict(cfg.sampling)}
 
 

@@ -48,6 +48,7 @@ def test_config_file_is_merged(tmp_path):
     (["policy.forecast_cold_start_horizon=-1"], "policy.forecast_cold_start_horizon must be >= 0, got -1"),
     (["policy.forecast_after_share=2"], "policy.forecast_after_share must be in [0, 1], got 2"),
     (["policy.forecast_min_wave=1"], "policy.forecast_min_wave must be in [0, 1), got 1"),
+    (["model.dtype=fp8"], "model.dtype must be one of auto, bfloat16, float16, float32, half, float, got 'fp8'"),
     (["model.data_parallel_size=0"], "model.data_parallel_size must be >= 1, got 0"),
     (["model.data_parallel_size=2", "model.device_ids=[0]"], "model.device_ids must list a device for every"),
 ])
@@ -61,3 +62,15 @@ def test_bad_values_fail_with_one_clear_message(overrides, message):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config([], "/nonexistent/run.yaml")
+
+
+def test_dtype_auto_is_float32_only_where_the_cpu_has_no_bfloat16_kernels(monkeypatch):
+    import rollout.engine
+    from rollout.engine import engine_dtype
+
+    assert load_config([]).model.dtype == "auto"
+    assert engine_dtype("float16") == "float16"  # an explicit dtype is passed on as it is
+    monkeypatch.setattr(rollout.engine, "cpu_has_bfloat16_kernels", lambda: True)
+    assert engine_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(rollout.engine, "cpu_has_bfloat16_kernels", lambda: False)  # AVX2 only
+    assert engine_dtype("auto") == "float32"
