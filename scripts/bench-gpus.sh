@@ -3,8 +3,9 @@
 #   bash scripts/bench-gpus.sh OUT TAG SECONDS "GPU PROFILE:SCHEDULERS ..." ["GPU ..." ...]
 # e.g. bash scripts/bench-gpus.sh runs/s23 A 530 "0 long-cot:vllm long-cot:forecast" "1 long-cot:forecast long-cot:vllm"
 # Each run is `python -m rollout.bench --config $CONFIG only=[PROFILE] reps=1 schedulers=[SCHEDULERS]` on that GPU
-# (CUDA_VISIBLE_DEVICES), written to OUT/TAG-g<GPU>-<PROFILE>-<SCHEDULERS>/ with its log beside it; a run that
-# would start with under a minute of SECONDS left is skipped, one still running at the end is stopped. Compare
+# (CUDA_VISIBLE_DEVICES), written to OUT/TAG-g<GPU>-<PROFILE>-<SCHEDULERS>/ (-2, -3: a chain's repeats) with its log
+# beside it; a run that would start with under a minute of SECONDS left is skipped, one still running at the end is
+# stopped (rc=124 in TAG-order.txt). Compare
 # schedulers within one GPU's chain (GPUs of one host differ by a few percent), and order them both ways; or
 # cross the chains ("0 cap-bound:forecast cap-bound:vllm" "1 cap-bound:vllm cap-bound:forecast") and pair the
 # runs that ran at the same time, where the host's speed cancels: python scripts/paired_ratios.py OUT.
@@ -16,8 +17,12 @@ mkdir -p "$out"
 start=$(date +%s)
 for chain in "$@"; do
   read -r gpu items <<< "$chain"
-  ( for item in $items; do
+  ( seen=" "
+    for item in $items; do
       profile=${item%%:*}; schedulers=${item#*:}; name=$tag-g$gpu-$profile-${schedulers//,/_}
+      k=2; base=$name
+      while [[ "$seen" == *" $name "* ]]; do name=$base-$k; k=$((k + 1)); done  # a repeat gets its own folder
+      seen="$seen$name "
       left=$(( limit - ($(date +%s) - start) ))
       [ "$left" -lt 60 ] && { echo "$(date +%T) g$gpu skip $profile $schedulers" >> "$out/$tag-order.txt"; continue; }
       echo "$(date +%T) g$gpu start $profile $schedulers" >> "$out/$tag-order.txt"
