@@ -98,11 +98,10 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     `sibling_order`: reorders the waiting requests of probed groups as their samples finish, as the adapter.
     `requests_at_first_step`: how many requests the engine holds at its first step (None: all); the rest arrive
     before the second, as vLLM's front end streams a batch into the engine core's process."""
-    waiting = deque(SimRequest(*r, row=k) for k, r in enumerate(requests))
-    late: list[SimRequest] = []
-    if requests_at_first_step is not None and requests_at_first_step < len(waiting):
-        late = list(itertools.islice(waiting, max(requests_at_first_step, 1), None))
-        waiting = deque(itertools.islice(waiting, max(requests_at_first_step, 1)))
+    queue = [SimRequest(*r, row=k) for k, r in enumerate(requests)]
+    first = len(queue) if requests_at_first_step is None else max(requests_at_first_step, 1)
+    waiting: deque[SimRequest] = deque()
+    late = queue[first:]
     policy.start_pass(prior_lengths)
     running: list[SimRequest] = []
     free = kv_capacity_blocks
@@ -121,12 +120,19 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         return freed
 
     clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
-    pending_prompt = sum(r.prompt_tokens for r in waiting)
-    pending_max = sum(nominal_max_tokens or r.output_tokens for r in waiting)
+    pending_prompt = pending_max = 0  # over the requests that have reached the engine and not finished
+
+    def arrive(batch: list[SimRequest]) -> None:
+        nonlocal pending_prompt, pending_max
+        waiting.extend(batch)
+        pending_prompt += sum(r.prompt_tokens for r in batch)
+        pending_max += sum(nominal_max_tokens or r.output_tokens for r in batch)
+
+    arrive(queue[:first])
     max_tokens_bound = nominal_max_tokens or max((r[1] for r in requests), default=0)
     trace = []
     # As the adapter: group columns only when some prompt has several samples.
-    groups = [r.group for r in (*waiting, *late) if r.group is not None]
+    groups = [r.group for r in queue if r.group is not None]
     grouped = share_prompts and len(set(groups)) < len(groups)
 
     def reorder() -> deque:
@@ -235,9 +241,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 if sibling_order is not None and r.probe_group is not None:
                     sibling_order.observe(r.probe_group, r.output_tokens)
         if late:
-            waiting.extend(late)
-            pending_prompt += sum(r.prompt_tokens for r in late)
-            pending_max += sum(nominal_max_tokens or r.output_tokens for r in late)
+            arrive(late)
             late = []
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
