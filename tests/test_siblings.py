@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from rollout.policy import make_policy
-from rollout.policy.forecast import CensoredLengths, Informed, SiblingLengths, expected_demand_admissions
+from rollout.policy.forecast import (SIBLING_CORRELATION_MIN, CensoredLengths, Informed, SiblingLengths,
+                                     expected_demand_admissions)
 from rollout.sim import StepTimeModel, simulate
 from rollout.workloads import ProfileConfig, profile_requests
 
@@ -91,6 +92,47 @@ def test_no_sibling_no_change_and_what_siblings_say_moves_admissions():
                              np.log(200))
     assert expected_demand_admissions(*args, informed=running_long) < plain < expected_demand_admissions(
         *args, informed=running_short)
+
+
+def test_a_groups_finished_samples_loosen_how_its_others_move_together():
+    rng = np.random.default_rng(4)
+    siblings = SiblingLengths()
+    siblings.within_var = 0.1
+    finished_groups(siblings, rng, groups=40, per_group=4, between=0.5, within=0.1)
+    groups = np.r_[np.repeat(np.arange(40), 4), np.full(8, 99)]  # 4 more of each group, 8 of a group not seen
+    informed = siblings.informed(groups, np.zeros(len(groups)), np.ones(len(groups)), running=0)
+    # Four finished of a 0.5 between-group spread leave ~0.025 of it unknown, against 0.1 within: 0.2, floored.
+    assert np.all(informed.correlation[:160] == SIBLING_CORRELATION_MIN)
+    assert np.all(informed.correlation[160:] == 1.0)
+    # In a pass that starts from earlier lengths the samples keep moving together in full.
+    siblings.fresh = False
+    assert siblings.informed(groups, np.zeros(len(groups)), np.ones(len(groups)), running=0).correlation is None
+    # Admission: 8 running samples (groups 0-1) and 16 waiting (groups 2-5); the groups' spreads no longer add
+    # up in full, so more of them fit (11 against 9).
+    lengths = CensoredLengths(bin_tokens=16)
+    for n in rng.lognormal(np.log(200), 0.7, 400).astype(int):
+        lengths.observe(n)
+    group = np.repeat(np.arange(6), 4)
+    args = (np.full(8, 300), np.full(8, 100), np.full(16, 128), np.zeros(16, int), lengths, 6000.0, 16, 1.6)
+    kwargs = dict(running_group=group[:8], waiting_group=group[8:], running_shared=np.zeros(8, int),
+                  waiting_shared=np.zeros(16, int))
+    rows = 24
+    together = Informed(np.zeros(rows), np.ones(rows), np.log(200))
+    loosened = together._replace(correlation=np.full(rows, SIBLING_CORRELATION_MIN))
+    assert expected_demand_admissions(*args, informed=together, **kwargs) < expected_demand_admissions(
+        *args, informed=loosened, **kwargs)
+
+
+def test_only_a_pass_that_starts_from_nothing_is_fresh():
+    policy = make_policy({"name": "forecast", "b_max": 64, "eps_m": 0.05})
+    policy.start_pass(None)
+    assert policy.siblings.fresh
+    for n in (100, 150, 200):
+        policy.observe_finished(16, n, group=0)
+    policy.start_pass(None)  # the first pass's lengths are carried
+    assert not policy.siblings.fresh
+    policy.start_pass(np.array([1.0, 1.2]))  # per-prompt predictions
+    assert not policy.siblings.fresh
 
 
 def grpo_passes(siblings: bool, seed: int):

@@ -51,6 +51,11 @@ WAVE_WAIT = 2
 # 160, long-cot 198 of 202), and each cost ~1 ms of an H100 host's CPU. With 4, forecasts 285 -> 178 (kv-bound),
 # 223 -> 82 (long-cot), 413 -> 267 (real); throughput within +-0.4% by profile over 4-8 seeds.
 ESTIMATE_WAIT_MAX = 4
+# Least correlation taken between the lengths of a group's samples once some of them finished, in a pass that
+# starts from nothing (see SiblingLengths.informed). Simulator, grpo-groups' first pass (H200 model, seeds 0-7),
+# against 1 (stop 29): the posterior's own 0.2-0.45 ran +0.4..2.2% and recomputed up to 1.6%; 0.3 up to 1.3%;
+# 0.5 ran +0.7..1.3% (recomputed <= 0.64%, one seed 1.22%); 0.7 +0.0..0.8%.
+SIBLING_CORRELATION_MIN = 0.5
 
 
 def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.ndarray,
@@ -204,6 +209,8 @@ class Informed(NamedTuple):
     offset: np.ndarray  # per row (running, then waiting): 0 where nothing was learned
     spread: np.ndarray  # per row: 1 where nothing was learned
     pivot: float  # log tokens, relative to scale: the pass's log-mean length
+    # Per row: the correlation of its length with its group's other samples (None: 1 for every row).
+    correlation: np.ndarray | None = None
 
 
 class SiblingLengths:
@@ -223,6 +230,9 @@ class SiblingLengths:
 
     def __init__(self) -> None:
         self.within_var: float | None = None
+        # The pass starts from nothing: no earlier pass's lengths carried, no per-prompt predictions (the
+        # policy says; see `informed`).
+        self.fresh = True
         self._reset()
 
     def _reset(self) -> None:
@@ -303,7 +313,19 @@ class SiblingLengths:
         row_offset, row_spread = np.zeros(len(groups)), np.ones(len(groups))
         row_offset[known], row_spread[known] = offset[index], spread[index]
         row_spread[only_running] = 1.0
-        return Informed(row_offset, row_spread, mu)
+        # Once a group's samples finished, its others vary together only by what is still unknown of the group:
+        # the offset's posterior variance against the samples' own. Taken as 1 (all move together) they held
+        # the cache 5-20% emptier than the oracle's in grpo-groups' first pass. Only in a fresh pass: in later
+        # ones (lengths carried, per-prompt predictions) it recomputed up to 4.8% of grpo-groups' second pass
+        # and 2.5% of small passes (simulator): there the pass's requests share an error (a mean that moved, as
+        # RL's lengths drift) which the full correlation covered and this model leaves out.
+        row_correlation = None
+        if self.fresh:
+            posterior = -1.0 / hess
+            row_correlation = np.ones(len(groups))
+            row_correlation[known] = np.maximum(posterior / (posterior + within), SIBLING_CORRELATION_MIN)[index]
+            row_correlation[only_running] = 1.0
+        return Informed(row_offset, row_spread, mu, row_correlation)
 
 
 def _to_estimate(tokens: np.ndarray, scale: np.ndarray | None, informed: Informed | None) -> np.ndarray:
@@ -369,7 +391,8 @@ def _ahead(generated: np.ndarray, steps: np.ndarray, bin_tokens: int, scale: np.
 
 
 def _rows(informed: Informed, rows: np.ndarray) -> Informed:
-    return Informed(informed.offset[rows], informed.spread[rows], informed.pivot)
+    return Informed(informed.offset[rows], informed.spread[rows], informed.pivot,
+                    None if informed.correlation is None else informed.correlation[rows])
 
 
 def survival_after(lengths: CensoredLengths, generated: np.ndarray, horizon_bins: int, stride: int = 1,
@@ -551,9 +574,11 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
         var = held ** 2 * alive[:rows] * (1.0 - alive[:rows])
         if groups:
             # A group's samples run about as long as each other (one prompt's difficulty): their demands move
-            # together, so a group's standard deviations add up (variance increments 2 * earlier sd * sd + sd^2).
+            # together, so a group's standard deviations add up (variance increments 2 * earlier sd * sd + sd^2),
+            # less where its finished samples told what the group is (Informed.correlation).
             sd = np.sqrt(var)
-            var = var + 2.0 * groups.earlier_sum(sd) * sd
+            together = 1.0 if informed is None or informed.correlation is None else informed.correlation[:rows, None]
+            var = var + 2.0 * together * groups.earlier_sum(sd) * sd
         return mean, var
 
     def result(admit: int, demand_mean: np.ndarray, demand_var: np.ndarray, peak: float = 0.0,
@@ -751,14 +776,15 @@ class ForecastPolicy(MemoryPolicy):
         self._finished_groups.clear()
         self._finished_grouped = 0
         self.lengths.design_effect = 1.0
-        if self.siblings is not None:
-            self.siblings.start_pass()
         if prior is None:
             self.lengths.forget(self.carry_over)
-            return
-        self.lengths.forget(0.0)
-        for length in np.asarray(prior, dtype=float):
-            self.lengths.observe(length, self.carry_over)
+        else:
+            self.lengths.forget(0.0)
+            for length in np.asarray(prior, dtype=float):
+                self.lengths.observe(length, self.carry_over)
+        if self.siblings is not None:
+            self.siblings.start_pass()
+            self.siblings.fresh = self.lengths.count == 0
 
     def _observed(self) -> float:
         """Finished lengths the estimate rests on: a pass's samples of one prompt count once (they run about as
