@@ -230,8 +230,8 @@ class SiblingLengths:
 
     def __init__(self) -> None:
         self.within_var: float | None = None
-        # The pass starts from nothing: no earlier pass's lengths carried, no per-prompt predictions (the
-        # policy says; see `informed`).
+        # The pass starts from nothing: no earlier pass's lengths carried, no per-prompt predictions (see
+        # `informed`; the policy says at each `start_pass`).
         self.fresh = True
         self._reset()
 
@@ -242,7 +242,8 @@ class SiblingLengths:
         self.values: list[float] = []
         self._fit: tuple[int, float, float] | None = None  # (finished when fitted, mu, total sd)
 
-    def start_pass(self) -> None:
+    def start_pass(self, fresh: bool = True) -> None:
+        self.fresh = fresh
         multi = self.count >= 2  # at a pass's end every group is complete: an unbiased within-group spread
         if np.count_nonzero(multi) >= 8:
             deviation = self.sum_squares[multi] - self.total[multi] ** 2 / self.count[multi]
@@ -783,8 +784,7 @@ class ForecastPolicy(MemoryPolicy):
             for length in np.asarray(prior, dtype=float):
                 self.lengths.observe(length, self.carry_over)
         if self.siblings is not None:
-            self.siblings.start_pass()
-            self.siblings.fresh = self.lengths.count == 0
+            self.siblings.start_pass(fresh=self.lengths.count == 0)
 
     def _observed(self) -> float:
         """Finished lengths the estimate rests on: a pass's samples of one prompt count once (they run about as
