@@ -272,7 +272,7 @@ def summarize_ratios(ratios: list[float]) -> dict:
 
 def policy_cost(trace: list[dict]) -> dict:
     """Where the policy's CPU time goes: steps that built the per-request arrays (and forecast) against the
-    rest, and the arrays' own cost."""
+    rest, and the arrays' own cost; how many steps did not ask the policy (its answer stood)."""
     described = [s for s in trace if "describe_cpu_us" in s]
     other = [s["policy_cpu_us"] for s in trace if "policy_cpu_us" in s and "describe_cpu_us" not in s]
     if not described:
@@ -280,7 +280,8 @@ def policy_cost(trace: list[dict]) -> dict:
     return {"described_steps": len(described),
             "policy_cpu_us_described_mean": round(statistics.mean(s["policy_cpu_us"] for s in described), 1),
             "describe_cpu_us_mean": round(statistics.mean(s["describe_cpu_us"] for s in described), 1),
-            "policy_cpu_us_other_mean": round(statistics.mean(other), 1) if other else None}
+            "policy_cpu_us_other_mean": round(statistics.mean(other), 1) if other else None,
+            "skipped_steps": sum(1 for s in trace if s.get("policy_skipped"))}
 
 
 def table(results: list[dict], profile: str, schedulers: list[str]) -> str:

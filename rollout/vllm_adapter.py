@@ -169,6 +169,13 @@ class _DynamicBatchMixin:
         self._columns = np.zeros((1024, 5))
         self._output_lists = True  # every request keeps its output in a list (see _output_list)
         self._finished = 0
+        self._preempted = 0
+        # What the policy last answered at (running, waiting, finished, preempted), its cap, the step until which
+        # that answer stands unless they change (`steady_until`) and its trace fields.
+        self._events: tuple | None = None
+        self._cap = self.max_cap
+        self._steady_until = 0.0
+        self._policy_fields: dict = {}
         self._sibling_order = SiblingOrder()
         self._recomputed = 0
         self._finish_cpu_us = 0.0  # observe_finished since the last step recorded
@@ -239,8 +246,32 @@ class _DynamicBatchMixin:
     def schedule(self, *args, **kwargs):
         num_running, num_waiting = self.get_request_counts()
         started, started_cpu = time.perf_counter(), time.thread_time()
+        events = (num_running, num_waiting, self._finished, self._preempted)
+        # Where nothing the policy reads changed since it answered (`steady_until`; most decode steps), its cap
+        # stands and it is not asked.
+        skipped = events == self._events and self._step < self._steady_until
+        describe_cpu_us = budget = None
+        if not skipped:
+            describe_cpu_us, budget = self._ask_policy(num_running, num_waiting)
+            self._events, self._steady_until = events, self.batch_policy.steady_until()
+        policy_s = time.perf_counter() - started
+        # Wall time includes waits for the GIL, which the engine core's I/O threads hold at times; CPU time is
+        # what the policy itself costs.
+        policy_cpu_s = time.thread_time() - started_cpu
+        setattr(self, self._cap_attr, self._cap)
+        self._recomputed = 0
+        step_start = time.monotonic()
+        output = super().schedule(*args, **kwargs)
+        self._step += 1
+        self._recorded(output, step_start, num_running, num_waiting, policy_s, policy_cpu_s, describe_cpu_us, budget,
+                       skipped)
+        return output
+
+    def _ask_policy(self, num_running: int, num_waiting: int) -> tuple[float | None, int | None]:
+        """This step's cap (`_cap`) and token budget from the policy; the CPU time spent describing requests to
+        it (None: not described) and the budget it set (None: vLLM's)."""
         state = StepState(
-            num_running=num_running, num_waiting=num_waiting,
+            num_running=num_running, num_waiting=num_waiting, step=self._step,
             kv_capacity_blocks=self.kv_capacity_blocks, block_size=self.block_size,
             kv_free_blocks=round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks),
             pending_prompt_tokens_mean=self._pending_prompt_tokens / max(self._pending, 1),
@@ -257,52 +288,56 @@ class _DynamicBatchMixin:
             describe_started = time.thread_time()
             self._describe_requests(state)
             describe_cpu_us = (time.thread_time() - describe_started) * 1e6
-        cap = min(max(self.batch_policy.batch_cap(state), num_running, 1), self.max_cap)
-        if self._sibling_order.dirty and cap > num_running:
+        self._cap = min(max(self.batch_policy.batch_cap(state), num_running, 1), self.max_cap)
+        if self._sibling_order.dirty and self._cap > num_running:
             self._reorder_waiting()
         budget = None
         if self._max_step_tokens is not None:
             budget = self.batch_policy.token_budget(self._max_step_tokens, num_running)
             self.max_num_scheduled_tokens = self._max_step_tokens if budget is None else max(budget, 1)
-        policy_us = (time.perf_counter() - started) * 1e6
-        # Wall time includes waits for the GIL, which the engine core's I/O threads hold at times; CPU time is
-        # what the policy itself costs.
-        policy_cpu_us = (time.thread_time() - started_cpu) * 1e6
-        setattr(self, self._cap_attr, cap)
-        self._recomputed = 0
-        step_start = time.monotonic()
-        output = super().schedule(*args, **kwargs)
-        self._step += 1
-        preempted = len(getattr(output, "preempted_req_ids", None) or ())
+        return describe_cpu_us, budget
+
+    def _recorded(self, output, step_start: float, num_running: int, num_waiting: int, policy_s: float,
+                  policy_cpu_s: float, describe_cpu_us: float | None, budget: int | None, skipped: bool) -> None:
+        """The step's trace record, written when its output arrives (`_step_done`)."""
         record = None
         if num_running or num_waiting:
             running_after, waiting_after = self.get_request_counts()
             record = {
-                "step": self._step, "t": round(step_start - self._t0, 4), "cap": cap,
+                "step": self._step, "t": round(step_start - self._t0, 4), "cap": self._cap,
                 "running": running_after, "waiting": waiting_after,
-                "kv_usage": round(self.kv_cache_manager.usage, 4), "preempted": preempted,
+                "kv_usage": round(self.kv_cache_manager.usage, 4),
+                "preempted": len(getattr(output, "preempted_req_ids", None) or ()),
                 "scheduled_tokens": output.total_num_scheduled_tokens, "finished": self._finished,
-                "recomputed_tokens": self._recomputed, "policy_us": round(policy_us, 1),
-                "policy_cpu_us": round(policy_cpu_us, 1), "finish_cpu_us": round(self._finish_cpu_us, 1),
+                "recomputed_tokens": self._recomputed, "policy_us": round(policy_s * 1e6, 1),
+                "policy_cpu_us": round(policy_cpu_s * 1e6, 1), "finish_cpu_us": round(self._finish_cpu_us, 1),
             }
             self._finish_cpu_us = 0.0
+            if skipped:  # the policy was not asked: its fields are as it last gave them
+                record["policy_skipped"] = True
+            else:
+                self._policy_fields = self._trace_fields()
             if describe_cpu_us is not None:  # the per-request arrays were built (their share of policy_cpu_us)
                 record["describe_cpu_us"] = round(describe_cpu_us, 1)
             if budget is not None:
                 record["token_budget"] = self.max_num_scheduled_tokens
             if self._scaled:
                 record["length_scaled"] = True
-            for key, value in self.batch_policy.trace_fields().items():
-                if isinstance(value, float):
-                    value = None if math.isnan(value) else round(value, 3)
-                record[key] = value
-            if record.get("safety_buffer_blocks") is not None:
-                record["safety_buffer_tokens"] = round(record["safety_buffer_blocks"] * self.block_size, 1)
+            record.update(self._policy_fields)
         self._in_flight[id(output)] = (step_start, record)
         while len(self._in_flight) > 16:  # an output that never came back (should not happen) is not kept
             _, (_, lost) = self._in_flight.popitem(last=False)
             self._write(lost)
-        return output
+
+    def _trace_fields(self) -> dict:
+        fields = {}
+        for key, value in self.batch_policy.trace_fields().items():
+            if isinstance(value, float):
+                value = None if math.isnan(value) else round(value, 3)
+            fields[key] = value
+        if fields.get("safety_buffer_blocks") is not None:
+            fields["safety_buffer_tokens"] = round(fields["safety_buffer_blocks"] * self.block_size, 1)
+        return fields
 
     def _write(self, record: dict | None) -> None:
         if record is None:
@@ -413,6 +448,7 @@ class _DynamicBatchMixin:
 
     def _preempt_request(self, request, *args, **kwargs):
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again
+        self._preempted += 1
         self.batch_policy.observe_preempted(request.num_computed_tokens)
         return super()._preempt_request(request, *args, **kwargs)
 

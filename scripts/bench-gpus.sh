@@ -5,7 +5,7 @@
 # Each run is `python -m rollout.bench --config $CONFIG only=[PROFILE] reps=1 schedulers=[SCHEDULERS]` on that GPU
 # (CUDA_VISIBLE_DEVICES), written to OUT/TAG-g<GPU>-<PROFILE>-<SCHEDULERS>/ (-2, -3: a chain's repeats) with its log
 # beside it; a run that would start with under a minute of SECONDS left is skipped, one still running at the end is
-# stopped (rc=124 in TAG-order.txt). Compare
+# stopped (rc=124, no results in TAG-order.txt). Compare
 # schedulers within one GPU's chain (GPUs of one host differ by a few percent), and order them both ways; or
 # cross the chains ("0 cap-bound:forecast cap-bound:vllm" "1 cap-bound:vllm cap-bound:forecast") and pair the
 # runs that ran at the same time, where the host's speed cancels: python scripts/paired_ratios.py OUT.
@@ -28,7 +28,9 @@ for chain in "$@"; do
       echo "$(date +%T) g$gpu start $profile $schedulers" >> "$out/$tag-order.txt"
       CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m rollout.bench --config "$config" "only=[$profile]" reps=1 \
         "schedulers=[$schedulers]" "out_dir=$out/$name" > "$out/$name.log" 2>&1
-      echo "$(date +%T) g$gpu end $profile $schedulers rc=$?" >> "$out/$tag-order.txt"
+      rc=$?  # before the line below: its $(date) would reset $?
+      [ -f "$out/$name/results.json" ] || rc="$rc, no results"
+      echo "$(date +%T) g$gpu end $profile $schedulers rc=$rc" >> "$out/$tag-order.txt"
     done ) &
 done
 wait

@@ -131,3 +131,24 @@ def test_the_first_wave_is_sized_for_a_share_of_max_tokens_in_the_engine(tiny_mo
     # 24 blocks of 128 tokens: 32 + 1,000 tokens take 9 blocks (two requests, a few with the prior's spread);
     # 32 + 63 tokens and a partly used block ~221 (13 at most, less the margin).
     assert first_wave[0.0] <= 4 and 3 * first_wave[0.0] <= first_wave[0.0625] <= 13, first_wave
+
+
+def test_the_forecast_is_asked_only_where_something_it_reads_changed(tiny_model, tmp_path):
+    """Most decode steps change nothing the forecast reads (no arrival, admission, finish or preemption): the
+    adapter reuses its cap there (`policy_skipped` in the trace) and asks again after any of them."""
+    prompts, lengths = lognormal_workload(96, seed=1)
+    with RolloutEngine(tight_config(tiny_model, "forecast"), tmp_path) as engine:
+        run = engine.generate(prompts, progress=False, max_tokens=lengths)
+    assert run.summary["generated_tokens"] == sum(lengths)
+    steps = [s for s in run.trace if "step" in s]
+    skipped = [k for k in range(1, len(steps)) if steps[k].get("policy_skipped")]
+    assert len(skipped) > len(steps) / 3, (len(skipped), len(steps))
+    for k in skipped:
+        before, now = steps[k - 1], steps[k]
+        # Nothing finished since the step before, which preempted nothing; the cap stands.
+        assert now["finished"] == before["finished"] and before["preempted"] == 0, (before, now)
+        assert now["cap"] == before["cap"]
+        # Nor has the step come at which the last forecast's first request left out would overshoot the cache.
+        forecast = next(s for s in reversed(steps[:k]) if "describe_cpu_us" in s)
+        if forecast["overshoot_tokens_ahead"]:
+            assert now["step"] < forecast["step"] + forecast["overshoot_tokens_ahead"], (forecast, now)

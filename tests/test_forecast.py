@@ -574,11 +574,12 @@ def deterministic_policy(length: int = 200) -> ForecastPolicy:
     return policy
 
 
-def described(running: int, free_blocks: int, generated: int = 0, waiting: int = 10, prompt: int = 16) -> StepState:
+def described(running: int, free_blocks: int, generated: int = 0, waiting: int = 10, prompt: int = 16,
+              step: int = 0) -> StepState:
     """`running` requests of a 16-token prompt that generated `generated` tokens, rows 0.., then `waiting` ones
-    with `prompt` tokens; a 2400-token cache."""
+    with `prompt` tokens; a 2400-token cache; engine step `step`."""
     state = StepState(num_running=running, num_waiting=waiting, kv_capacity_blocks=150, block_size=16,
-                      kv_free_blocks=free_blocks)
+                      kv_free_blocks=free_blocks, step=step)
     state.running_tokens, state.running_generated = np.full(running, 16 + generated), np.full(running, generated)
     state.waiting_tokens, state.waiting_generated = np.full(waiting, prompt), np.zeros(waiting, dtype=np.int64)
     state.running_rows, state.waiting_rows = np.arange(running), running + np.arange(waiting)
@@ -615,12 +616,15 @@ def test_a_request_that_overshoots_later_waits_for_finishes_beyond_those_expecte
     assert not policy.wants_requests(described(9, free_blocks=130))
     policy.observe_finished(16, 30, row=3)  # one that was to run past then did not
     assert policy.wants_requests(described(8, free_blocks=130))
-    # Without a finish the forecast is out of date once that time has come.
+    # Without a finish the forecast is out of date once that time has come: its policy says so beforehand
+    # (steady_until), and the steps until then need not ask it.
     policy = deterministic_policy()
-    policy.batch_cap(described(10, free_blocks=130))
-    for _ in range(int(policy._overshoot.tokens_ahead) - 1):
-        assert not policy.wants_requests(described(10, free_blocks=130))
-    assert policy.wants_requests(described(10, free_blocks=130))
+    policy.batch_cap(described(10, free_blocks=130, step=100))
+    ahead = int(policy._overshoot.tokens_ahead)
+    assert policy.steady_until() == 100 + ahead
+    for step in range(101, 100 + ahead):
+        assert not policy.wants_requests(described(10, free_blocks=130, step=step))
+    assert policy.wants_requests(described(10, free_blocks=130, step=100 + ahead))
 
 
 def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():

@@ -220,3 +220,34 @@ def test_the_policy_is_told_the_nominal_max_tokens_not_the_imposed_lengths():
 
     assert first_cap() == 64
     assert first_cap(nominal_max_tokens=1000) < 8  # 512 * 16 / (32 + 1000) less the safety buffer
+
+
+@pytest.mark.parametrize("kind, requests, blocks", [("lognormal", 256, 512), ("grpo", 64 * 8, 2048)])
+def test_skipping_the_steps_the_forecast_called_steady_changes_nothing(kind, requests, blocks):
+    """The adapter (and the simulator, as it) asks the policy only where a request arrived, was admitted,
+    finished or was preempted, or where the policy's `steady_until` step has come: the same run as asking at
+    every step, with a fraction of the asks. (Both workloads run differently if steady_until leaves out the step
+    at which a request left out would overshoot.)"""
+    grpo = kind == "grpo"
+    profile = ProfileConfig(kind=kind, num_prompts=requests // 8 if grpo else requests, samples_per_prompt=8,
+                            prompt_tokens=256 if grpo else 128, median_output=400 if grpo else 200, sigma=0.8,
+                            max_output=4096 if grpo else 1024)
+    work = [(len(r.prompt.token_ids), r.output_tokens, 1.0, r.group) for r in profile_requests(profile, 0, seed=0)]
+    runs, asks = [], []
+    for every in (True, False):
+        policy = make_policy({"name": "forecast", "b_max": 1024, "eps_m": 0.05})
+        count = [0]
+        ask = policy.wants_requests
+
+        def counted(state, ask=ask, count=count):
+            count[0] += 1
+            return ask(state)
+
+        policy.wants_requests = counted
+        result = simulate(work, policy, kv_capacity_blocks=blocks, block_size=16, max_num_seqs=1024,
+                          token_budget=16384, step_time=MODEL, nominal_max_tokens=profile.max_output,
+                          ask_every_step=every)
+        runs.append((result.makespan_s, result.preemptions, result.recomputed_tokens, result.steps))
+        asks.append(count[0])
+    assert runs[0] == runs[1]
+    assert asks[0] == runs[0][3] and asks[1] < asks[0] / 2

@@ -31,6 +31,8 @@ class StepState:
     num_waiting: int
     kv_capacity_blocks: int
     block_size: int
+    # Engine steps before this one (each decode step moves a running request one token on).
+    step: int = 0
     kv_free_blocks: int | None = None  # free now (None: not known)
     # Cold-start demand estimate from requests not yet finished, in tokens.
     pending_prompt_tokens_mean: float = 0.0
@@ -85,6 +87,12 @@ class StaticPolicy:
     def wants_requests(self, state: StepState) -> bool:
         """Whether this step's StepState must carry the per-request arrays (they cost a pass over requests)."""
         return self.needs_requests
+
+    def steady_until(self) -> float:
+        """The step (StepState.step) before which this policy's answers (wants_requests, batch_cap,
+        token_budget) stay as it last gave them while no request arrives, is admitted, finishes or is
+        preempted: the adapter then reuses the cap and skips the policy. 0: ask at every step."""
+        return 0
 
     def waiting_limit(self) -> int | None:
         """At most how many waiting requests (the queue's head) the per-request arrays describe; None: as
@@ -296,6 +304,13 @@ class FallbackPolicy:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
             return False
+
+    def steady_until(self) -> float:
+        try:
+            return self.policy.steady_until()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+            return 0
 
     def waiting_limit(self) -> int | None:
         try:

@@ -91,13 +91,15 @@ class SimResult:
 def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
              token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
              prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
-             sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None) -> SimResult:
+             sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None,
+             ask_every_step: bool = False) -> SimResult:
     """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group]]]), in
     arrival order) to completion under `policy`. `nominal_max_tokens`: the max_tokens the policy is told, as the
     benchmark tells the adapter (None: each request's own length, a request whose max_tokens is its length).
     `sibling_order`: reorders the waiting requests of probed groups as their samples finish, as the adapter.
     `requests_at_first_step`: how many requests the engine holds at its first step (None: all); the rest arrive
-    before the second, as vLLM's front end streams a batch into the engine core's process."""
+    before the second, as vLLM's front end streams a batch into the engine core's process. `ask_every_step`:
+    call the policy at every step, also where its `steady_until` says its answer stands (the adapter does not)."""
     queue = [SimRequest(*r, row=k) for k, r in enumerate(requests)]
     first = len(queue) if requests_at_first_step is None else max(requests_at_first_step, 1)
     waiting: deque[SimRequest] = deque()
@@ -119,7 +121,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             r.shared_blocks = 0
         return freed
 
-    clock, steps, preemptions, recomputed, generated = 0.0, 0, 0, 0, 0
+    clock, steps, preemptions, recomputed, generated, finished = 0.0, 0, 0, 0, 0, 0
+    last_events, steady_until, cap = None, 0.0, max_num_seqs
     pending_prompt = pending_max = 0  # over the requests that have reached the engine and not finished
 
     def arrive(batch: list[SimRequest]) -> None:
@@ -141,37 +144,41 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                                       [r.generated > 0 for r in queue]))
 
     while waiting or running:
-        pending = len(waiting) + len(running)
-        state = StepState(num_running=len(running), num_waiting=len(waiting), kv_capacity_blocks=kv_capacity_blocks,
-                          block_size=block_size, kv_free_blocks=free, pending_prompt_tokens_mean=pending_prompt / pending,
-                          pending_max_tokens_mean=pending_max / pending, max_tokens_bound=max_tokens_bound)
-        wants_requests = policy.wants_requests(state)
-        # As the adapter: reordered only where the policy reads the queue's head or admission takes from it.
-        if sibling_order is not None and sibling_order.dirty and wants_requests:
-            waiting = reorder()
-        if wants_requests:
-            state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
-            state.running_remaining = np.array([r.output_tokens - r.generated for r in running], dtype=np.int64)
-            limit = policy.waiting_limit()
-            headroom = max(max_num_seqs - len(running), 0)
-            head = list(itertools.islice(waiting, headroom if limit is None else min(headroom, limit)))
-            state.waiting_tokens = np.array([r.prompt_tokens + r.generated for r in head], dtype=np.int64)
-            state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
-            state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
-            state.waiting_generated = np.array([r.generated for r in head], dtype=np.int64)
-            state.running_rows = np.array([r.row for r in running], dtype=np.int64)
-            state.waiting_rows = np.array([r.row for r in head], dtype=np.int64)
-            if grouped:
-                state.running_group = np.array([-1 if r.group is None else r.group for r in running], dtype=np.int64)
-                state.waiting_group = np.array([-1 if r.group is None else r.group for r in head], dtype=np.int64)
-                state.running_shared = np.array([prompt_blocks(r) * block_size for r in running], dtype=np.int64)
-                state.waiting_shared = np.array([prompt_blocks(r) * block_size for r in head], dtype=np.int64)
-            if any(r.length_scale != 1.0 for r in (*running, *head)):
-                state.running_scale = np.array([r.length_scale for r in running])
-                state.waiting_scale = np.array([r.length_scale for r in head])
-        cap = min(max(policy.batch_cap(state), len(running), 1), max_num_seqs)
-        if sibling_order is not None and sibling_order.dirty and cap > len(running):
-            waiting = reorder()
+        events = (len(running), len(waiting), finished, preemptions)
+        if ask_every_step or events != last_events or steps >= steady_until:  # as the adapter (steady_until)
+            pending = len(waiting) + len(running)
+            state = StepState(num_running=len(running), num_waiting=len(waiting), step=steps,
+                              kv_capacity_blocks=kv_capacity_blocks, block_size=block_size, kv_free_blocks=free,
+                              pending_prompt_tokens_mean=pending_prompt / pending,
+                              pending_max_tokens_mean=pending_max / pending, max_tokens_bound=max_tokens_bound)
+            wants_requests = policy.wants_requests(state)
+            # As the adapter: reordered only where the policy reads the queue's head or admission takes from it.
+            if sibling_order is not None and sibling_order.dirty and wants_requests:
+                waiting = reorder()
+            if wants_requests:
+                state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
+                state.running_remaining = np.array([r.output_tokens - r.generated for r in running], dtype=np.int64)
+                limit = policy.waiting_limit()
+                headroom = max(max_num_seqs - len(running), 0)
+                head = list(itertools.islice(waiting, headroom if limit is None else min(headroom, limit)))
+                state.waiting_tokens = np.array([r.prompt_tokens + r.generated for r in head], dtype=np.int64)
+                state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
+                state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
+                state.waiting_generated = np.array([r.generated for r in head], dtype=np.int64)
+                state.running_rows = np.array([r.row for r in running], dtype=np.int64)
+                state.waiting_rows = np.array([r.row for r in head], dtype=np.int64)
+                if grouped:
+                    state.running_group = np.array([-1 if r.group is None else r.group for r in running], dtype=np.int64)
+                    state.waiting_group = np.array([-1 if r.group is None else r.group for r in head], dtype=np.int64)
+                    state.running_shared = np.array([prompt_blocks(r) * block_size for r in running], dtype=np.int64)
+                    state.waiting_shared = np.array([prompt_blocks(r) * block_size for r in head], dtype=np.int64)
+                if any(r.length_scale != 1.0 for r in (*running, *head)):
+                    state.running_scale = np.array([r.length_scale for r in running])
+                    state.waiting_scale = np.array([r.length_scale for r in head])
+            cap = min(max(policy.batch_cap(state), len(running), 1), max_num_seqs)
+            if sibling_order is not None and sibling_order.dirty and cap > len(running):
+                waiting = reorder()
+            last_events, steady_until = events, policy.steady_until()
         budget, scheduled, preempted = token_budget, [], False
         i = 0
         while i < len(running) and budget > 0:
@@ -233,6 +240,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             generated += 1
             if r.generated >= r.output_tokens:
                 running.remove(r)
+                finished += 1
                 free += release(r)
                 pending_prompt -= r.prompt_tokens
                 pending_max -= nominal_max_tokens or r.output_tokens
