@@ -245,19 +245,22 @@ class _DynamicBatchMixin:
 
     def schedule(self, *args, **kwargs):
         num_running, num_waiting = self.get_request_counts()
-        started, started_cpu = time.perf_counter(), time.thread_time()
+        started = time.perf_counter()
         events = (num_running, num_waiting, self._finished, self._preempted)
         # Where nothing the policy reads changed since it answered (`steady_until`; most decode steps), its cap
         # stands and it is not asked.
         skipped = events == self._events and self._step < self._steady_until
         describe_cpu_us = budget = None
-        if not skipped:
+        if skipped:  # the check alone: its wall time stands for its CPU time (thread_time is a system call)
+            policy_s = policy_cpu_s = time.perf_counter() - started
+        else:
+            started_cpu = time.thread_time()
             describe_cpu_us, budget = self._ask_policy(num_running, num_waiting)
             self._events, self._steady_until = events, self.batch_policy.steady_until()
-        policy_s = time.perf_counter() - started
-        # Wall time includes waits for the GIL, which the engine core's I/O threads hold at times; CPU time is
-        # what the policy itself costs.
-        policy_cpu_s = time.thread_time() - started_cpu
+            policy_s = time.perf_counter() - started
+            # Wall time includes waits for the GIL, which the engine core's I/O threads hold at times; CPU time
+            # is what the policy itself costs.
+            policy_cpu_s = time.thread_time() - started_cpu
         setattr(self, self._cap_attr, self._cap)
         self._recomputed = 0
         step_start = time.monotonic()
