@@ -388,7 +388,7 @@ class _DynamicBatchMixin:
         latency = now - max(start, self._last_output_t)
         self._last_output_t = now
         per_request = scheduler_output.num_scheduled_tokens
-        decode_requests = list(per_request.values()).count(1)  # a generator: ~30 us at 1,024 requests
+        decode_requests = list(per_request.values()).count(1)  # in C: a generator took ~30 us at 1,024 requests
         prefill_tokens = scheduler_output.total_num_scheduled_tokens - decode_requests
         if scheduler_output.total_num_scheduled_tokens:
             self.batch_policy.observe_step(latency, decode_requests, prefill_tokens)
