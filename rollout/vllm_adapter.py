@@ -179,7 +179,7 @@ class _DynamicBatchMixin:
         self._policy_fields: dict = {}
         self._sibling_order = SiblingOrder()
         self._recomputed = 0
-        self._finish_cpu_us = 0.0  # observe_finished since the last step recorded
+        self._finish_cpu_us = 0.0  # observe_finished since the last record (its share of adapter_us)
         # Finishes the policy has not been told of yet: (prompt tokens, output tokens, scale, group, row).
         self._finishes: list[tuple] = []
         # Wall time in this class's own code (policy, finishes, trace) since the last step recorded: what the adapter
@@ -193,9 +193,11 @@ class _DynamicBatchMixin:
 
     def add_request(self, request) -> None:
         if self._pending == 0:  # requests arrive at an idle engine: a new pass (RL iteration)
-            self._tell_finishes()  # the last pass's, before the new one starts
+            started = time.perf_counter()
+            self._tell_finishes()  # any the last pass left, before the new one starts
             self.batch_policy.start_pass(self._read_prior())
             self._max_tokens_bound = 0
+            self._adapter_s += time.perf_counter() - started  # in the pass's first record
         super().add_request(request)
         self._output_lists = self._output_lists and isinstance(getattr(request, "_output_token_ids", None), list)
         self._pending += 1
@@ -342,9 +344,8 @@ class _DynamicBatchMixin:
                 "preempted": len(getattr(output, "preempted_req_ids", None) or ()),
                 "scheduled_tokens": output.total_num_scheduled_tokens, "finished": self._finished,
                 "recomputed_tokens": self._recomputed, "policy_us": round(policy_s * 1e6, 1),
-                "policy_cpu_us": round(policy_cpu_s * 1e6, 1), "finish_cpu_us": round(self._finish_cpu_us, 1),
+                "policy_cpu_us": round(policy_cpu_s * 1e6, 1),
             }
-            self._finish_cpu_us = 0.0
             if skipped:  # the policy was not asked: its fields are as it last gave them
                 record["policy_skipped"] = True
             else:
@@ -396,8 +397,9 @@ class _DynamicBatchMixin:
             # This step's adapter time: its schedule() and what came since the last record (the finishes, the
             # last record's writing); this record's own writing counts in the next.
             record.update(step_ms=round(latency * 1e3, 3), decode_requests=decode_requests,
-                          prefill_tokens=prefill_tokens, adapter_us=round(self._adapter_s * 1e6, 1))
-            self._adapter_s = 0.0
+                          prefill_tokens=prefill_tokens, adapter_us=round(self._adapter_s * 1e6, 1),
+                          finish_cpu_us=round(self._finish_cpu_us, 1))
+            self._adapter_s = self._finish_cpu_us = 0.0
             self._write(record)
 
     def _reorder_waiting(self) -> None:
@@ -490,11 +492,15 @@ class _DynamicBatchMixin:
     def update_from_output(self, scheduler_output, *args, **kwargs):
         outputs = super().update_from_output(scheduler_output, *args, **kwargs)
         started = time.perf_counter()
+        done = not self.has_unfinished_requests()
+        if done:  # a generate() call ends here: the statistics, whole and saved, before its last output leaves
+            self._save_stats()
+            self._adapter_s += time.perf_counter() - started  # in this, the pass's last record
+            started = time.perf_counter()
         self._step_done(scheduler_output)
         self._adapter_s += time.perf_counter() - started
-        if not self.has_unfinished_requests():
-            # A generate() call ends here: make the trace and statistics durable before its last output leaves.
-            self._flush()
+        if done:
+            self._trace.flush()
         return outputs
 
     def get_request_counts(self) -> tuple[int, int]:
@@ -502,11 +508,14 @@ class _DynamicBatchMixin:
             return super().get_request_counts()
         return len(self.running), len(self.waiting)  # vLLM 0.26
 
-    def _flush(self) -> None:
-        self._trace.flush()
+    def _save_stats(self) -> None:
         self._tell_finishes()  # the saved statistics hold every finish
         if self.stats_out:
             self.batch_policy.stats.save(self.stats_out)
+
+    def _flush(self) -> None:
+        self._trace.flush()
+        self._save_stats()
 
     def shutdown(self) -> None:
         try:
