@@ -14,7 +14,8 @@ Step latency (the time between tokens a decoding request sees) is measured here,
 step's latency is the time from the later of its schedule() and the previous step's output to its own
 update_from_output(). With synchronous scheduling that is schedule + forward + sampling of the step; with async
 scheduling (step N+1 is scheduled while N runs) it is the interval between consecutive outputs, which is what a
-streaming client sees, without idle gaps. The per-step trace record is written when the step's output arrives.
+streaming client sees, without idle gaps. A step's trace record is complete when its output arrives; records go
+to the file together every 0.5 s and at the end of a generate() call.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class _DynamicBatchMixin:
         # a batch every 0.5 s, a few us each.
         self._records: list[tuple] = []
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
-        self._in_flight: OrderedDict[int, tuple[float, dict | None]] = OrderedDict()  # id(output) -> start, record
+        self._in_flight: OrderedDict[int, tuple[float, tuple | None]] = OrderedDict()  # id(output) -> start, values
         self._last_output_t = 0.0
 
     def add_request(self, request) -> None:
