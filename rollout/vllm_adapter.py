@@ -189,7 +189,6 @@ class _DynamicBatchMixin:
         self._adapter_s = 0.0
         # vLLM's own dependency: a record in ~1 us against json's ~7. Infinity and NaN are written as null.
         self._encoder = msgspec.json.Encoder(enc_hook=_plain)
-        self._line = bytearray()
         # Steps whose records are not written yet, as raw values: a record's dict and JSON, built between the
         # model's steps with the interpreter's data out of cache, cost ~30 us a step on this project's CPU; in
         # a batch every 0.5 s, a few us each.
@@ -368,7 +367,7 @@ class _DynamicBatchMixin:
 
     def _write_records(self) -> None:
         """The kept steps' records, as JSON lines, to the trace file."""
-        line, encode_into, t0 = self._line, self._encoder.encode_into, self._t0
+        records, t0 = [], self._t0
         for values, done in self._records:
             (step, start, cap, running, waiting, kv_usage, preempted, scheduled, finished, recomputed, policy_s,
              policy_cpu_s, skipped, describe_cpu_us, token_budget, scaled, policy_fields) = values
@@ -392,9 +391,8 @@ class _DynamicBatchMixin:
                 record.update(step_ms=round(latency * 1e3, 3), decode_requests=decode_requests,
                               prefill_tokens=prefill_tokens, adapter_us=round(adapter_s * 1e6, 1),
                               finish_cpu_us=round(finish_cpu_us, 1))
-            encode_into(record, line)
-            line.append(10)  # newline
-            self._trace.write(line)
+            records.append(record)
+        self._trace.write(self._encoder.encode_lines(records))
         self._records.clear()
         self._trace.flush()
         self._last_flush = time.monotonic()

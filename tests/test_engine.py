@@ -155,9 +155,9 @@ def test_the_forecast_is_asked_only_where_something_it_reads_changed(tiny_model,
         if forecast["overshoot_tokens_ahead"]:
             assert now["step"] < forecast["step"] + forecast["overshoot_tokens_ahead"], (forecast, now)
     # The adapter's own time on the engine's path (the policy, the finishes, the trace) is in every record and
-    # holds the policy's; where the policy forecast, more than a skipped step's.
     # holds the policy's and its time at finishes, also those told at a pass's end (where the statistics are
-    # saved) or start. The engine core runs synchronously here, so each record's windows line up.
+    # saved) or start; the engine core runs synchronously here, so each record's windows line up. Where the
+    # policy forecast, it is more than a skipped step's.
     for trace in (steps, [s for s in again.trace if "step" in s]):
         assert all(s["adapter_us"] >= s["policy_us"] + s["finish_cpu_us"] for s in trace[1:]), trace
     described = [s["adapter_us"] for s in steps if "describe_cpu_us" in s]
