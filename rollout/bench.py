@@ -274,6 +274,14 @@ def summarize_ratios(ratios: list[float]) -> dict:
             "min": float(np.exp(logs.min())), "max": float(np.exp(logs.max()))}
 
 
+def device_runs(folder: str | Path) -> list[dict]:
+    """Every run's results under a folder of `scripts/device-bench.sh` output (a TAG-gN-PROFILE-SCHEDULER folder
+    per run, its log beside it), each with the TAG of the call that ran it as "call"."""
+    return [{**result, "call": path.parent.name.split("-")[0]}
+            for path in sorted(Path(folder).glob("*-g*-*/results.json"))
+            for result in json.loads(path.read_text())["results"]]
+
+
 def policy_cost(trace: list[dict]) -> dict:
     """Where the policy's CPU time goes: steps that built the per-request arrays (and forecast) against the
     rest, and the arrays' own cost; how many steps did not ask the policy (its answer stood)."""

@@ -112,3 +112,15 @@ def test_runs_pair_with_the_default_run_that_ran_at_the_same_time_on_another_gpu
     summary = summarize_ratios([1.1, 1 / 1.1])
     assert summary["geometric_mean"] == pytest.approx(1.0) and summary["n"] == 2
     assert summary["min"] == pytest.approx(1 / 1.1) and summary["log_standard_error"] == pytest.approx(0.0953, abs=1e-3)
+
+
+def test_device_runs_reads_every_run_of_a_device_output_folder_with_its_call(tmp_path):
+    from rollout.bench import device_runs
+
+    for name, scheduler in (("A-g0-kv-bound-forecast", "forecast"), ("B-g1-kv-bound-vllm", "vllm")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"results": [{"scheduler": scheduler}]}))
+        (tmp_path / f"{name}.log").write_text("log\n")
+    (tmp_path / "C-g0-real-vllm.log").write_text("cut at its deadline: no folder\n")
+    (tmp_path / "C-g0-real-forecast").mkdir()  # cut before it wrote results
+    assert device_runs(tmp_path) == [{"scheduler": "forecast", "call": "A"}, {"scheduler": "vllm", "call": "B"}]

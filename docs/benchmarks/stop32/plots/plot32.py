@@ -1,6 +1,5 @@
 """Stop 32 on one H200: tok/s against vLLM's default per profile, and the policy's share of the step per run.
     python docs/benchmarks/stop32/plots/plot32.py"""
-import json
 from pathlib import Path
 
 import matplotlib
@@ -8,11 +7,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from rollout.bench import device_runs
+
 HERE = Path(__file__).resolve().parent.parent
-runs = []
-for results in sorted(HERE.glob("*-g0-*/results.json")):
-    for r in json.loads(results.read_text())["results"]:
-        runs.append({**r, "call": results.parent.name[0]})
+runs = device_runs(HERE)
 
 
 def tok_s(profile, scheduler):

@@ -1,7 +1,6 @@
 """Stop 33 on one H200: cap-bound's three pairs in call order, real beside its FIFO oracle, and the adapter's time
 per run split into the policy, the finishes and the rest (the trace).
     python docs/benchmarks/stop33/plots/plot33.py"""
-import json
 from pathlib import Path
 
 import matplotlib
@@ -9,11 +8,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from rollout.bench import device_runs
+
 HERE = Path(__file__).resolve().parent.parent
-runs = []
-for results in sorted(HERE.glob("*-g0-*/results.json")):
-    for r in json.loads(results.read_text())["results"]:
-        runs.append({**r, "call": results.parent.name[0]})
+runs = device_runs(HERE)
 colors = {"forecast": "tab:blue", "vllm": "tab:gray", "oracle-fcfs": "tab:green"}
 
 fig, (pairs, real, cost) = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [3, 2, 3]})

@@ -1,8 +1,6 @@
 """Stop 34 on one H200: long-cot's two triples (vLLM, ours, the FIFO oracle) in run order, where ours and the
 oracle differ over the pass, and the adapter's time on kv-bound before (stop 33) and after the trace's batching.
     python docs/benchmarks/stop34/plots/plot34.py"""
-import gzip
-import json
 from pathlib import Path
 
 import matplotlib
@@ -10,24 +8,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from rollout.bench import device_runs
+from rollout.sim.fit import step_rows
+
 STOP34 = Path(__file__).resolve().parents[1]
-STOP33 = STOP34.parent / "stop33"
+runs = device_runs(STOP34)
 SCHEDULERS = {"vllm": ("vLLM default", "tab:gray"), "forecast": ("ours", "tab:blue"),
               "oracle-fcfs": ("FIFO oracle", "tab:green")}
 
-
-def result(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())["results"][0] | {"call": run_dir.name[0]}
-
-
-def steps(run_dir: Path, profile: str) -> list:
-    with gzip.open(run_dir / f"steps-{profile}.jsonl.gz", "rt") as f:
-        return json.loads(f.readline())["steps"]  # per step: t, running, scheduled, KV use, preempted, cap, ms
-
-
 fig, (order, timeline, cost) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [3, 3, 2]})
 
-long_cot = sorted((result(d) for d in STOP34.glob("*-g0-long-cot-*/")), key=lambda r: r["started_at"])
+long_cot = sorted((r for r in runs if r["profile"] == "long-cot"), key=lambda r: r["started_at"])
 seen = set()
 for k, r in enumerate(long_cot):
     label, color = SCHEDULERS[r["scheduler"]]
@@ -41,7 +32,8 @@ order.legend(fontsize=8)
 
 for name in ("forecast", "oracle-fcfs"):
     label, color = SCHEDULERS[name]
-    trace = steps(STOP34 / f"A-g0-long-cot-{name}", "long-cot")
+    # per step: t, running, scheduled tokens, KV use, ...
+    trace = step_rows(STOP34 / f"A-g0-long-cot-{name}" / "steps-long-cot.jsonl.gz")[0]["steps"]
     t = [s[0] for s in trace]
     timeline.plot(t, [s[1] for s in trace], color=color, lw=1, label=f"{label}: running")
     timeline.plot([], [], color=color, lw=1, ls=":", label=f"{label}: KV use")
@@ -54,8 +46,9 @@ timeline.set_ylabel("running requests")
 timeline.set_title("long-cot, call A: the gap is the first 30 s\n(a smaller first wave, then a margin)")
 timeline.legend(fontsize=8, loc="upper right")
 
-kv_runs = [("stop 33 A\n(bcf0286)", result(STOP33 / "A-g0-kv-bound-forecast"))]
-kv_runs += [(f"stop 34 {d.name[0]}\n(b4d01fe)", result(d)) for d in sorted(STOP34.glob("*-g0-kv-bound-forecast/"))]
+kv_runs = [(f"stop {stop} {r['call']}\n({commit})", r)
+           for stop, commit, folder in ((33, "bcf0286", STOP34.parent / "stop33"), (34, "b4d01fe", STOP34))
+           for r in device_runs(folder) if r["profile"] == "kv-bound" and r["scheduler"] == "forecast"]
 bottom = [0.0] * len(kv_runs)
 for key, label, color in (("policy_time_fraction", "policy (wall)", "tab:blue"),
                           ("finish_cpu_fraction", "at finishes (CPU)", "tab:orange"),
