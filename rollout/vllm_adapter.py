@@ -528,15 +528,12 @@ class _DynamicBatchMixin:
         if self.stats_out:
             self.batch_policy.stats.save(self.stats_out)
 
-    def _flush(self) -> None:
-        self._write_records()
-        self._save_stats()
-
     def shutdown(self) -> None:
         try:
             self._records.extend((record, None) for _, record in self._in_flight.values() if record is not None)
             self._in_flight.clear()
-            self._flush()
+            self._write_records()
+            self._save_stats()
             self._trace.close()
         finally:
             super().shutdown()
