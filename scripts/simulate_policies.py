@@ -1,5 +1,5 @@
 """Schedulers on the GPU suite's workloads in the simulator, with the step-time model fitted to the H200 8B
-kv-bound runs (docs/benchmarks/kv-bound-h200-steps.jsonl.gz), no GPU needed. Prints tok/s, preemptions and
+kv-bound runs (configs/sim/kv-bound-h200-steps.jsonl.gz), no GPU needed. Prints tok/s, preemptions and
 recomputed share. Those runs' contexts are too short to price reading the KV cache, so that term is fixed at
 the 8B shape's 128 KiB per token over ~4 TB/s of HBM (it matters for long-cot).
 
@@ -8,7 +8,7 @@ the 8B shape's 128 KiB per token over ~4 TB/s of HBM (it matters for long-cot).
 forecast-lpt keeps a per-prompt memory across iterations as RolloutEngine does with policy.order=longest_first.
 A scheduler may carry policy settings: `forecast:forecast_after=8:eps_m=0.1`.
 
-`--h100` (first argument): the step-time model fitted to an H100 long-cot run instead (docs/benchmarks/stop19,
+`--h100` (first argument): the step-time model fitted to an H100 long-cot run instead (configs/sim/long-cot-h100-steps.jsonl.gz,
 long contexts, so the KV-read term is measured), with the H200 fit's prefill terms (that run's prefill steps are
 all large admission waves, which cannot tell a per-token from a per-step cost). On the H100's long-cot it is
 within 1% of the forecast's first pass and 2-3% over vLLM's, where the H200 model put vLLM 10% low.
@@ -22,9 +22,9 @@ from rollout.bench import load_bench_config
 from rollout.sim.fit import fit_step_time, step_rows
 from rollout.sim.runs import simulate_profile
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
-STEPS = DOCS / "kv-bound-h200-steps.jsonl.gz"
-H100_STEPS = DOCS / "stop19" / "long-cot-forecast" / "steps-long-cot.jsonl.gz"
+FITS = Path(__file__).resolve().parent.parent / "configs" / "sim"
+STEPS = FITS / "kv-bound-h200-steps.jsonl.gz"
+H100_STEPS = FITS / "long-cot-h100-steps.jsonl.gz"
 KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B shape
 model, _ = fit_step_time(step_rows(STEPS), per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
 if sys.argv[1] == "--h100":

@@ -124,8 +124,8 @@ def test_the_simulator_check_on_a_committed_gpu_run_with_and_without_the_policys
     from rollout.sim.__main__ import main
 
     root = Path(__file__).resolve().parent.parent
-    args = ["--config", str(root / "configs/bench/gpu.yaml"), "--steps", str(root / "docs/benchmarks/stop12/per-profile/real"),
-            "--fit", str(root / "docs/benchmarks/kv-bound-h100-stop11-steps.jsonl.gz"), "--per-kv-token-ns", "40",
+    args = ["--config", str(root / "configs/bench/gpu.yaml"), "--steps", str(root / "tests/data/sim/real-h100"),
+            "--fit", str(root / "tests/data/sim/kv-bound-h100-steps.jsonl.gz"), "--per-kv-token-ns", "40",
             "only=[real]", "profiles.4.num_prompts=512", "schedulers=[vllm,forecast]"]
 
     def simulated() -> dict:
@@ -152,8 +152,8 @@ def test_the_simulator_ranks_grpo_groups_as_the_gpu_did(capsys):
 
     root = Path(__file__).resolve().parent.parent
     assert main(["--config", str(root / "configs/bench/gpu.yaml"),
-                 "--steps", str(root / "docs/benchmarks/stop13/per-profile/grpo-groups"),
-                 "--fit", str(root / "docs/benchmarks/kv-bound-h100-stop11-steps.jsonl.gz"), "--per-kv-token-ns", "40",
+                 "--steps", str(root / "tests/data/sim/grpo-groups-h100"),
+                 "--fit", str(root / "tests/data/sim/kv-bound-h100-steps.jsonl.gz"), "--per-kv-token-ns", "40",
                  "--policy-time", "only=[grpo-groups]", "schedulers=[vllm,forecast,forecast-lpt]"]) == 0
     out = capsys.readouterr().out
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| ")][1:]
