@@ -10,7 +10,7 @@ from typing import Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rollout.policy.policies import BENCHMARK_POLICIES, LENGTH_AWARE_POLICIES, POLICIES
+from rollout.policy import POLICIES, VLLM_DEFAULT
 from rollout.policy.config import PolicyConfig
 from rollout.policy.length_stats import FORGETTING_MODES
 
@@ -131,9 +131,9 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
-    need(p.name in POLICIES or p.name in LENGTH_AWARE_POLICIES or p.name in BENCHMARK_POLICIES,
-         f"policy.name: unknown policy {p.name!r}; choose one of {sorted([*POLICIES, *LENGTH_AWARE_POLICIES])}")
-    need(p.name != "oracle" or s.ignore_eos,
+    need(p.name in POLICIES or p.name == VLLM_DEFAULT,
+         f"policy.name: unknown policy {p.name!r}; choose one of {sorted(POLICIES)}")
+    need(p.name not in POLICIES or not POLICIES[p.name].benchmark_only or s.ignore_eos,
          f"policy.name={p.name} takes max_tokens as each request's true length: it needs sampling.ignore_eos=true")
     need(0.0 < p.eps_m < 1.0, f"policy.eps_m must be in (0, 1), got {p.eps_m}")
     need(p.b_max >= 1, f"policy.b_max must be >= 1, got {p.b_max}")

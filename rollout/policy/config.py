@@ -3,7 +3,7 @@ engine process as a plain dict in vLLM's additional_config and is rebuilt there 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 
@@ -69,3 +69,25 @@ class PolicyConfig:
     # measured steps say a larger one makes more tokens a second (memory, memory-clt, sla, forecast). Off by
     # default: on H100s it tied (docs/benchmarks.md, stop 16).
     graph_cap: bool = False
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> "PolicyConfig":
+        """Rebuilt from its plain dict form (what travels in vLLM's additional_config), then validated."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"policy settings: unknown key(s) {', '.join(unknown)}")
+        config = cls(**settings)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Every check of the policy's settings (the policies trust them)."""
+        if self.name == "sla" and not (self.d_sla_ms is not None and self.d_sla_ms > 0):
+            raise ValueError(f"policy.name=sla needs policy.d_sla_ms > 0 (the step latency bound in ms), got {self.d_sla_ms}")
+        if not 0 <= self.forecast_min_wave < 1:
+            raise ValueError(f"policy.forecast_min_wave must be in [0, 1), got {self.forecast_min_wave}")
+        if self.forecast_cold_start not in ("gamma", "memory"):
+            raise ValueError(f"policy.forecast_cold_start must be gamma or memory, got {self.forecast_cold_start!r}")
+        if not self.forecast_cold_start_shape > 0:
+            raise ValueError(f"policy.forecast_cold_start_shape must be > 0, got {self.forecast_cold_start_shape}")

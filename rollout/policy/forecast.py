@@ -22,7 +22,8 @@ import numpy as np
 
 from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS, add_to_bin
 from rollout.policy.memory import clamp_cap
-from rollout.policy.policies import MemoryPolicy, StepState
+from rollout.policy.base import StepState, register
+from rollout.policy.policies import MemoryPolicy
 
 
 MAX_POINTS = 48
@@ -265,6 +266,10 @@ class CensoredLengths:
         return np.maximum(mean_len - generated, 1.0), np.maximum(var_len, 0.0)
 
 
+# The least within-group variance of log lengths the sibling model assumes (a 1% spread).
+WITHIN_VAR_MIN = 1e-4
+
+
 class Informed(NamedTuple):
     """Rows whose estimate their group's finished samples informed (SiblingLengths): in log length relative to
     the row's scale, the estimate's quantiles move by `offset` and narrow by `spread` about `pivot`."""
@@ -310,7 +315,9 @@ class SiblingLengths:
         multi = self.count >= 2  # at a pass's end every group is complete: an unbiased within-group spread
         if np.count_nonzero(multi) >= 8:
             deviation = self.sum_squares[multi] - self.total[multi] ** 2 / self.count[multi]
-            self.within_var = float(deviation.sum() / (self.count[multi] - 1).sum())
+            # Floored: samples of a prompt with one length (greedy decoding, imposed lengths) have none, and a
+            # zero spread would divide by zero in `informed`.
+            self.within_var = max(float(deviation.sum() / (self.count[multi] - 1).sum()), WITHIN_VAR_MIN)
         self._reset()
 
     def observe(self, group: int, output_tokens: float, scale: float) -> None:
@@ -355,7 +362,7 @@ class SiblingLengths:
             mu, sd = censored_normal_fit(values, np.ones(len(values)), censored, np.ones(len(censored)))
             self._fit = (len(values), mu, max(sd, 1e-3))
         _, mu, sd = self._fit
-        within = min(self.within_var if self.within_var is not None else sd ** 2 / 2, sd ** 2)
+        within = max(min(self.within_var if self.within_var is not None else sd ** 2 / 2, sd ** 2), WITHIN_VAR_MIN)
         between = max(sd ** 2 - within, 1e-4)
         used, index = np.unique(groups[known], return_inverse=True)
         count, total = self.count[used], self.total[used]
@@ -694,6 +701,7 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     return result(admit, total_mean[admit - 1], total_var[admit - 1], peak, over)
 
 
+@register
 class ForecastPolicy(MemoryPolicy):
     """Admission by the forecast peak KV of running and admitted requests, from censored length estimates.
 
@@ -705,12 +713,14 @@ class ForecastPolicy(MemoryPolicy):
     name = "forecast"
     needs_requests = True
 
-    def __init__(self, *args, bin_tokens: int = 16, tail: str = "lognormal", carry_over: float = 0.05,
-                 forecast_after: int = 8, cold_start: str = "gamma", cold_start_shape: float = 3.0,
-                 margin_feedback: bool = False, siblings: bool = True, tail_confidence: float = 1.5,
-                 cold_start_horizon: float = 0.08, forecast_after_share: float = 0.1,
-                 pointwise_running_peak: bool = True, min_wave: float = 0.08, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, stats=None, graph_batch: int = 0) -> None:
+        super().__init__(config, stats, graph_batch)
+        cold_start_horizon, forecast_after_share = config.forecast_cold_start_horizon, config.forecast_after_share
+        pointwise_running_peak, min_wave = config.forecast_pointwise_running_peak, config.forecast_min_wave
+        forecast_after, carry_over = config.forecast_after, config.forecast_carry_over
+        cold_start, cold_start_shape = config.forecast_cold_start, config.forecast_cold_start_shape
+        margin_feedback, siblings = config.forecast_margin_feedback, config.forecast_siblings
+        tail_confidence = config.forecast_tail_confidence
         # The first wave of a pass that knows nothing is sized for `cold_start_horizon` x max_tokens of output
         # each, not for the prior's whole future: on long-cot (H100) it ran ~400 requests where the prior alone
         # ran ~70 until 8 had finished, 1.025x vLLM's default against 0.99-1.00x (1.2% recomputed). The prior
@@ -727,8 +737,6 @@ class ForecastPolicy(MemoryPolicy):
         # A forecast admits nothing until `min_wave` x the running requests fit (or the whole queue): each
         # admission puts prompt tokens into a step, which leaves vLLM's decode-only CUDA graph (3-5 ms on an
         # H100). Pointwise without it trickled in (kv-bound: 340 steps with admissions against 45) and lost.
-        if not 0.0 <= min_wave < 1.0:
-            raise ValueError(f"min_wave must be in [0, 1), not {min_wave!r}")
         self.min_wave = min_wave
         self._wave_wait = 0  # finishes the next forecast waits for (a wave too small to admit)
         self._pass_finished = 0
@@ -739,17 +747,13 @@ class ForecastPolicy(MemoryPolicy):
         # +0.8% (5 seeds; recomputed <= 0.3% where 32 reached 2.7%), kv-bound +0.3..1.5%, cap-bound +0.4..0.9%,
         # grpo-groups +0.1..2.0%, real -1.1..0%; 8 alone preempted 5.6% on one long-cot seed.
         self.min_observations = max(self.min_observations, forecast_after)
-        self.lengths = CensoredLengths(bin_tokens, tail, tail_confidence)
+        self.lengths = CensoredLengths(tail_confidence=tail_confidence)
         # Saved statistics carry earlier runs' lengths: they seed the estimate as earlier passes do (the first
         # pass's start weighs them by carry_over).
         for k, weight in enumerate(self.stats.output_histogram):
             if weight > 0:
                 self.lengths.observe((k + 0.5) * HISTOGRAM_BIN_TOKENS, weight)
         self.carry_over = carry_over  # weight of earlier passes' lengths when a new pass starts
-        if cold_start not in ("gamma", "memory"):
-            raise ValueError(f"cold_start must be 'gamma' or 'memory', not {cold_start!r}")
-        if not cold_start_shape > 0:
-            raise ValueError(f"cold_start_shape must be > 0, not {cold_start_shape!r}")
         self.cold_start = cold_start
         self.cold_start_shape = cold_start_shape
         self._prior_key, self._prior = None, None  # the last cold-start estimate and what it was built from

@@ -10,7 +10,8 @@ import math
 import numpy as np
 
 from rollout.policy.memory import clamp_cap
-from rollout.policy.policies import StaticPolicy, StepState
+from rollout.policy.base import StepState, register
+from rollout.policy.policies import StaticPolicy
 
 
 def peak_kv_tokens(current: np.ndarray, remaining: np.ndarray, block_size: int = 1, fixed: np.ndarray | None = None,
@@ -72,21 +73,24 @@ def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray,
     return lo
 
 
+@register
 class OraclePolicy(StaticPolicy):
     """Cap = running + the waiting requests whose true lengths still fit the cache at its future peak, admitted in
     waves of at least `min_wave` x the running requests (or the whole queue), as the forecast admits."""
 
     name = "oracle"
     needs_requests = True
+    reads_true_lengths = True
+    benchmark_only = True
     admitted_last: int | None = None
 
-    def __init__(self, cap: int, max_cap: int, stats=None, min_wave: float = 0.08) -> None:
-        super().__init__(cap, max_cap, stats)
+    def __init__(self, config, stats=None, graph_batch: int = 0) -> None:
+        super().__init__(config, stats, graph_batch)
+        self.cap = self.max_cap
+        min_wave = config.forecast_min_wave
         # Admitting whatever fits at every step trickled prompts into ~580 of kv-bound's 3,600 steps, each out
         # of the decode-only CUDA graph (H200, stop 27): 11 s of prefill steps against the forecast's 5.5 s,
         # and the oracle ran 0.89x the forecast it should bound.
-        if not 0.0 <= min_wave < 1.0:
-            raise ValueError(f"min_wave must be in [0, 1), not {min_wave!r}")
         self.min_wave = min_wave
         self._finishes_wanted = 0  # finishes before the next search (0: search at every step)
         self._admitted_up_to = 0  # running requests at the last search plus those it admitted, less finishes since

@@ -1,6 +1,7 @@
 """A discrete-event simulator of vLLM V1's scheduling loop, driven by the same policy objects as the adapter.
 
-Per step, as vLLM's `Scheduler.schedule()` does: running requests first (decode one token, or the next chunk of
+Per step, the policy is asked as the adapter asks it (rollout.policy.step: the same gate, description and call
+order); then, as vLLM's `Scheduler.schedule()` does: running requests first (decode one token, or the next chunk of
 a prefill), allocating KV blocks and preempting the newest running request (recompute) when blocks run out;
 then, only if nothing was preempted, waiting requests in FCFS order while the cap, the token budget and the
 blocks for the whole prompt allow. With `share_prompts` (vLLM's prefix caching, on by default), the requests of
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout.policy import StepState, shared_prompt_blocks
+from rollout.policy import StepState
 from rollout.policy.probes import SiblingOrder, reorder_siblings
+from rollout.policy.step import NUM_COLUMNS, PassShape, Requests, StepGate, decide, shared_prompt_blocks
 
 
 @dataclass
@@ -27,9 +29,8 @@ class StepTimeModel:
     """seconds = base + per_seq * decode_seqs + per_kv_token * kv_tokens_read + per_prefill_token * prefill_tokens
     + per_mixed_step if the step runs any prefill (on GPU such a step leaves the decode-only CUDA graph)
     + per_eager_step if it decodes more requests than `graph_batch` (0: no CUDA graphs), past the largest graph.
-    (On an H100 a decode-only step over 512 cost 15-30 ms more than one at 512, a mixed step at low batch 3-5.)
-    An eager step has no graph to leave: prefill costs it only its tokens (H100, cap-bound at 1,000 or more
-    running: ~316 prefill tokens added 4 ms to a 40-66 ms step, which per_prefill_token alone prices at 5)."""
+    An eager step has no graph to leave: prefill costs it only its tokens. The terms are fitted to measured steps
+    (rollout.sim.fit); docs/results.md has the fits and how well they predict held-out runs."""
 
     base: float = 0.01
     per_seq: float = 2e-5
@@ -122,7 +123,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         return freed
 
     clock, steps, preemptions, recomputed, generated, finished = 0.0, 0, 0, 0, 0, 0
-    last_events, steady_until, cap = None, 0.0, max_num_seqs
+    gate, cap, step_budget = StepGate(), max_num_seqs, token_budget
     pending_prompt = pending_max = 0  # over the requests that have reached the engine and not finished
 
     def arrive(batch: list[SimRequest]) -> None:
@@ -134,52 +135,45 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     arrive(queue[:first])
     max_tokens_bound = nominal_max_tokens or max((r[1] for r in requests), default=0)
     trace = []
-    # As the adapter: group columns only when some prompt has several samples.
+    # The pass's request table, as the adapter keeps it (rollout.policy.step columns): MAX_TOKENS is each request's
+    # true length, shown to oracles only.
+    table = np.array([(r.prompt_tokens, r.output_tokens, -1 if r.group is None else r.group,
+                       prompt_blocks(r) * block_size, r.length_scale) for r in queue], dtype=float).reshape(-1, NUM_COLUMNS)
     groups = [r.group for r in queue if r.group is not None]
-    grouped = share_prompts and len(set(groups)) < len(groups)
+    shape = PassShape(grouped=share_prompts and len(set(groups)) < len(groups), group_ids=max(groups, default=-1) + 1,
+                      scaled=any(r.length_scale != 1.0 for r in queue))
 
-    def reorder() -> deque:
-        queue = list(waiting)
-        return deque(reorder_siblings(queue, sibling_order, [r.probe_group for r in queue],
-                                      [r.generated > 0 for r in queue]))
+    def describe(requests) -> Requests:
+        n = len(requests)
+        rows = np.fromiter((r.row for r in requests), np.int64, n)
+        return Requests(np.fromiter((r.generated for r in requests), np.int64, n), rows, table[rows])
+
+    def waiting_reader():
+        head = iter(waiting)
+        return lambda n: describe(list(itertools.islice(head, n)))
+
+    def reorder() -> None:
+        items = list(waiting)
+        reordered = reorder_siblings(items, sibling_order, [r.probe_group for r in items],
+                                     [r.generated > 0 for r in items])
+        waiting.clear()
+        waiting.extend(reordered)
 
     while waiting or running:
         events = (len(running), len(waiting), finished, preemptions)
-        if ask_every_step or events != last_events or steps >= steady_until:  # as the adapter (steady_until)
+        if ask_every_step or not gate.steady(events, steps):
             pending = len(waiting) + len(running)
             state = StepState(num_running=len(running), num_waiting=len(waiting), step=steps,
                               kv_capacity_blocks=kv_capacity_blocks, block_size=block_size, kv_free_blocks=free,
                               pending_prompt_tokens_mean=pending_prompt / pending,
                               pending_max_tokens_mean=pending_max / pending, max_tokens_bound=max_tokens_bound)
-            wants_requests = policy.wants_requests(state)
-            # As the adapter: reordered only where the policy reads the queue's head or admission takes from it.
-            if sibling_order is not None and sibling_order.dirty and wants_requests:
-                waiting = reorder()
-            if wants_requests:
-                state.running_tokens = np.array([r.prompt_tokens + r.generated for r in running], dtype=np.int64)
-                state.running_remaining = np.array([r.output_tokens - r.generated for r in running], dtype=np.int64)
-                limit = policy.waiting_limit()
-                headroom = max(max_num_seqs - len(running), 0)
-                head = list(itertools.islice(waiting, headroom if limit is None else min(headroom, limit)))
-                state.waiting_tokens = np.array([r.prompt_tokens + r.generated for r in head], dtype=np.int64)
-                state.waiting_remaining = np.array([r.output_tokens - r.generated for r in head], dtype=np.int64)
-                state.running_generated = np.array([r.generated for r in running], dtype=np.int64)
-                state.waiting_generated = np.array([r.generated for r in head], dtype=np.int64)
-                state.running_rows = np.array([r.row for r in running], dtype=np.int64)
-                state.waiting_rows = np.array([r.row for r in head], dtype=np.int64)
-                if grouped:
-                    state.running_group = np.array([-1 if r.group is None else r.group for r in running], dtype=np.int64)
-                    state.waiting_group = np.array([-1 if r.group is None else r.group for r in head], dtype=np.int64)
-                    state.running_shared = np.array([prompt_blocks(r) * block_size for r in running], dtype=np.int64)
-                    state.waiting_shared = np.array([prompt_blocks(r) * block_size for r in head], dtype=np.int64)
-                if any(r.length_scale != 1.0 for r in (*running, *head)):
-                    state.running_scale = np.array([r.length_scale for r in running])
-                    state.waiting_scale = np.array([r.length_scale for r in head])
-            cap = min(max(policy.batch_cap(state), len(running), 1), max_num_seqs)
-            if sibling_order is not None and sibling_order.dirty and cap > len(running):
-                waiting = reorder()
-            last_events, steady_until = events, policy.steady_until()
-        budget, scheduled, preempted = token_budget, [], False
+            decision = decide(policy, state, lambda: describe(running), waiting_reader, max_num_seqs=max_num_seqs,
+                              shape=shape, max_step_tokens=token_budget, sibling_order=sibling_order,
+                              reorder=reorder)
+            gate.answered(events, decision)
+            cap = decision.cap
+            step_budget = token_budget if decision.token_budget is None else max(decision.token_budget, 1)
+        budget, scheduled, preempted = step_budget, [], False
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]

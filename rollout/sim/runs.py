@@ -49,7 +49,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                      kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384) -> ProfileRun:
     settings = scheduler_settings(bench, name)
     probes = settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
-    policy = make_policy({**settings, "graph_batch": step_time.graph_batch})  # as the adapter reads it from vLLM
+    policy = make_policy(settings, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
     memory = PromptLengths()
     run = ProfileRun()
     for iteration in range(profile.iterations):
