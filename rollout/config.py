@@ -253,7 +253,8 @@ def to_yaml(cfg: RunConfig) -> str:
 
 def schema() -> list[tuple[str, str, list]]:
     """(section, description, fields) for every section of RunConfig, in order."""
-    return [(f.name, f.default_factory.__doc__ or "", list(fields(f.default_factory))) for f in fields(RunConfig)]
+    return [(f.name, " ".join((f.default_factory.__doc__ or "").split()), list(fields(f.default_factory)))
+            for f in fields(RunConfig)]
 
 
 def field_default(f) -> object:

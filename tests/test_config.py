@@ -128,6 +128,7 @@ SECTIONS = (ModelConfig, DataConfig, SamplingConfig, PolicyConfig, OutputConfig)
 
 @pytest.mark.parametrize("section", SECTIONS, ids=lambda c: c.__name__)
 def test_every_field_has_a_help_text(section):
+    assert not section.__doc__.startswith(f"{section.__name__}("), "the section needs a docstring (its description)"
     for f in dataclasses.fields(section):
         assert len(f.metadata.get("help", "")) > 10, f"{section.__name__}.{f.name} has no help text"
 

@@ -19,6 +19,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class PolicyConfig:
+    """The batch-size policy that sets vLLM's admission cap every engine step, and its settings. The paper's
+    symbols: Pang, Li, Wang, arXiv 2503.05248 (Algorithm 1: memory; Algorithm 2: sla)."""
+
     name: str = field(default="forecast", metadata={"help": (
         "The batch-size policy: forecast, memory (Algorithm 1), memory-clt (its exact CLT bound), sla (Algorithm 2 "
         "with Algorithm 1) or static. Benchmark references: vllm (vLLM's own scheduler, untouched) and oracle (reads "
