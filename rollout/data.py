@@ -1,6 +1,6 @@
 """Prompt sets: files through `datasets` (JSONL, JSON, parquet, a saved dataset folder) or reasoning-gym
 generators, rendered with the tokenizer's chat template and tokenized before the engine starts, so bad input
-fails fast with one message naming the file and row."""
+fails fast with one message naming the file and the line (JSON, JSONL) or row (parquet, dataset folders)."""
 
 from __future__ import annotations
 
@@ -69,24 +69,52 @@ def _parse_json(raw: bytes, source: Path, line: int):
         raise DataError(f"{source} line {line + exc.lineno - 1}: invalid JSON ({exc.msg})") from exc
 
 
-def _check_json_file(source: Path) -> None:
-    """Name the first bad line of a JSON(L) file: datasets' own errors give neither line nor cause."""
+def _array_item_lines(text: str) -> list[int]:
+    """The line each item of a top-level JSON array starts on (text is valid JSON); one line for an object."""
+    decoder, skip = json.JSONDecoder(), re.compile(r"[\s,]*")
+    start = skip.match(text).end()
+    if not text.startswith("[", start):
+        return [text.count("\n", 0, start) + 1]
+    lines, line, counted, at = [], 1, 0, start + 1
+    while True:
+        at = skip.match(text, at).end()
+        if text.startswith("]", at):
+            return lines
+        line += text.count("\n", counted, at)
+        counted = at
+        lines.append(line)
+        _, at = decoder.raw_decode(text, at)
+
+
+def _check_json_file(source: Path) -> list[int]:
+    """Name the first bad line of a JSON(L) file (datasets' own errors give neither line nor cause), and return
+    the line each row starts on: datasets reads a JSONL file's non-blank lines, a JSON file's array items."""
     data = source.read_bytes()
     if source.suffix.lower() == ".json":
-        _parse_json(data, source, 1)
-        return
+        rows = _parse_json(data, source, 1)
+        lines = _array_item_lines(data.decode("utf-8"))
+        for number, row in zip(lines, rows if isinstance(rows, list) else [rows]):
+            if not isinstance(row, dict):
+                raise DataError(f"{source} line {number}: expected a JSON object, got {type(row).__name__}")
+        return lines
+    lines = []
     for number, raw in enumerate(data.split(NEWLINE), start=1):
-        if raw.strip() and not isinstance(row := _parse_json(raw, source, number), dict):
-            raise DataError(f"{source} line {number}: expected a JSON object, got {type(row).__name__}")
+        if raw.strip():
+            if not isinstance(row := _parse_json(raw, source, number), dict):
+                raise DataError(f"{source} line {number}: expected a JSON object, got {type(row).__name__}")
+            lines.append(number)
+    return lines
 
 
-def _file_rows(path: str) -> list[dict]:
+def _file_rows(path: str) -> tuple[list[dict], list[int] | None]:
+    """The rows of a prompt file or dataset folder, and for a JSON(L) file the line each row starts on."""
     import datasets
 
     source = Path(path)
     if not source.exists():
         raise DataError(f"prompt set {path} does not exist")
     datasets.disable_progress_bars()
+    lines = None
     try:
         if source.is_dir():
             loaded = datasets.load_from_disk(str(source))
@@ -99,7 +127,7 @@ def _file_rows(path: str) -> list[dict]:
                 raise DataError(f"prompt set {path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet "
                                 "or a saved dataset folder)")
             if builder == "json":
-                _check_json_file(source)
+                lines = _check_json_file(source)
             if source.stat().st_size == 0:
                 raise DataError(f"prompt set {path} is empty")
             loaded = datasets.load_dataset(builder, data_files=str(source), split="train")
@@ -109,37 +137,48 @@ def _file_rows(path: str) -> list[dict]:
         cause = exc.__cause__ or exc
         reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         raise DataError(f"prompt set {path} cannot be read: {reason}") from exc
-    return loaded.to_list()
+    rows = loaded.to_list()
+    return rows, lines if lines is not None and len(lines) == len(rows) else None
 
 
-def load_rows(source: str, num_prompts: int | None, seed: int, dataset_config: dict | None = None) -> list[dict]:
+def load_rows(source: str, num_prompts: int | None, seed: int,
+              dataset_config: dict | None = None) -> tuple[list[dict], list[str]]:
+    """The rows of a prompt set and where each is, as a user counts: "line N" of a JSON(L) file (1-based, blank
+    lines counted, as an editor shows it), else "row N" (1-based)."""
     if source.startswith(REASONING_GYM_PREFIX):
-        return _reasoning_gym_rows(source[len(REASONING_GYM_PREFIX):], num_prompts or 64, seed, dataset_config)
-    rows = _file_rows(source)
-    return rows[:num_prompts] if num_prompts else rows
+        rows = _reasoning_gym_rows(source[len(REASONING_GYM_PREFIX):], num_prompts or 64, seed, dataset_config)
+        lines = None
+    else:
+        rows, lines = _file_rows(source)
+        rows = rows[:num_prompts] if num_prompts else rows
+    where = [f"line {n}" for n in lines[:len(rows)]] if lines else [f"row {i + 1}" for i in range(len(rows))]
+    return rows, where
 
 
 def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_field: str, id_field: str | None,
                     answer_field: str | None, system_prompt: str | None, apply_chat_template: bool,
-                    max_prompt_tokens: int, long_prompts: str = "fail") -> tuple[list[Prompt], list[dict]]:
-    """Render and tokenize every row; the first unusable one raises a DataError naming it.
+                    max_prompt_tokens: int, long_prompts: str = "fail",
+                    locations: list[str] | None = None) -> tuple[list[Prompt], list[dict]]:
+    """Render and tokenize every row; the first unusable one raises a DataError naming the source and the row's
+    location (`locations[i]`, as `load_rows` gives them; default "row i+1").
 
     Prompts longer than max_prompt_tokens fail the set (long_prompts="fail") or are left out and returned
     as the second value (long_prompts="skip").
     """
     if not rows:
         raise DataError(f"prompt set {source} is empty")
+    locations = locations or [f"row {i + 1}" for i in range(len(rows))]
     use_template = apply_chat_template and getattr(tokenizer, "chat_template", None)
-    prompts, skipped, seen = [], [], set()
+    prompts, skipped, first_seen = [], [], {}
     for index, row in enumerate(rows):
-        where = f"{source}, row {index}"
+        where = f"{source} {locations[index]}"
         if prompt_field not in row or row[prompt_field] is None:
             raise DataError(f"{where}: missing prompt field {prompt_field!r} (set data.prompt_field)")
         raw = row[prompt_field]
         prompt_id = str(row[id_field]) if id_field and row.get(id_field) is not None else str(index)
-        if prompt_id in seen:
-            raise DataError(f"{where}: duplicate prompt id {prompt_id!r}")
-        seen.add(prompt_id)
+        if prompt_id in first_seen:
+            raise DataError(f"{where}: duplicate prompt id {prompt_id!r} (first at {first_seen[prompt_id]})")
+        first_seen[prompt_id] = locations[index]
         token_ids = None
         if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
             # Already tokenized (an RL trainer's own prompts, or a model without a tokenizer): used as is.
@@ -169,7 +208,7 @@ def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_fie
                 token_ids = tokenizer(text)["input_ids"]
         if len(token_ids) > max_prompt_tokens:
             if long_prompts == "skip":
-                skipped.append({"prompt_id": prompt_id, "row": index, "prompt_tokens": len(token_ids)})
+                skipped.append({"prompt_id": prompt_id, "location": locations[index], "prompt_tokens": len(token_ids)})
                 continue
             raise DataError(f"{where}: prompt {prompt_id!r} has {len(token_ids)} tokens, more than the "
                             f"{max_prompt_tokens} the model's context leaves (model.max_model_len; "
@@ -201,8 +240,9 @@ def load_tokenizer(model_folder: str):
 
 def load_prompts(data, tokenizer: Any, max_prompt_tokens: int) -> tuple[list[Prompt], list[dict]]:
     """The prompt set a `DataConfig` describes, rendered and tokenized, and the prompts skipped as too long."""
+    rows, locations = load_rows(data.source, data.num_prompts, data.seed, data.dataset_config)
     return prepare_prompts(
-        load_rows(data.source, data.num_prompts, data.seed, data.dataset_config), tokenizer, source=data.source,
-        prompt_field=data.prompt_field, id_field=data.id_field, answer_field=data.answer_field,
-        system_prompt=data.system_prompt, apply_chat_template=data.apply_chat_template,
-        max_prompt_tokens=max_prompt_tokens, long_prompts=data.long_prompts)
+        rows, tokenizer, source=data.source, prompt_field=data.prompt_field, id_field=data.id_field,
+        answer_field=data.answer_field, system_prompt=data.system_prompt,
+        apply_chat_template=data.apply_chat_template, max_prompt_tokens=max_prompt_tokens,
+        long_prompts=data.long_prompts, locations=locations)

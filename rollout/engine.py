@@ -7,6 +7,7 @@ it) lives as long as the engine, so each `generate` call starts from what the pr
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -27,6 +28,8 @@ TRACE_FILE = "trace.jsonl"
 STATS_FILE = "length_stats.json"
 PROMPT_LENGTHS_FILE = "prompt_lengths.json"
 SERIES_POINTS = 200
+VLLM_LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
+_written_log_level: str | None = None  # the value this module put in VLLM_LOGGING_LEVEL, told from the user's
 
 
 @dataclass
@@ -77,10 +80,26 @@ def read_trace_header(path: Path) -> dict:
     return header
 
 
+def set_vllm_log_level(level: str) -> str:
+    """vLLM's own log lines at `level` (output.vllm_log_level) unless the user set VLLM_LOGGING_LEVEL, which
+    wins; returns the level in force. vLLM reads the variable when it is imported, here and in the engine core's
+    process (a child of this one, spawned or forked later), so it is set before the engine starts; a `vllm`
+    logger this process configured already is set as well. Only the log lines change: the statistics the
+    summary reads (`disable_log_stats=False`, `LLM.get_metrics`) are kept at every level."""
+    global _written_log_level
+    current = os.environ.get(VLLM_LOG_LEVEL_ENV)
+    if current is None or current == _written_log_level:
+        os.environ[VLLM_LOG_LEVEL_ENV] = _written_log_level = level.upper()
+    in_force = os.environ[VLLM_LOG_LEVEL_ENV].upper()
+    if in_force in logging.getLevelNamesMapping():  # a bad value of the user's is vLLM's to report
+        logging.getLogger("vllm").setLevel(in_force)
+    return in_force
+
+
 def engine_dtype(dtype: str) -> str:
     """`model.dtype` as vLLM gets it. "auto": bfloat16, except on a CPU whose oneDNN has no bfloat16 kernels
-    (AVX2 only): there vLLM's bfloat16 matmuls fall back to emulation, ~38 ms a request in a decode step against
-    float32's ~11 ms (stop 28's host, SmolLM2-135M), so float32."""
+    (AVX2 only): there vLLM's bfloat16 matmuls fall back to an emulation several times slower than float32
+    (docs/results.md), so float32."""
     if dtype != "auto":
         return dtype
     from vllm.platforms import current_platform
@@ -126,6 +145,7 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
 
 class RolloutEngine:
     def __init__(self, cfg: RunConfig, workdir: str | os.PathLike) -> None:
+        set_vllm_log_level(cfg.output.vllm_log_level)
         from vllm import LLM
         from vllm.platforms import current_platform
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rollout.config import ConfigError, RunConfig, describe_options, load_config, to_yaml
 from rollout.data import DataError, load_prompts, load_tokenizer
+from rollout.engine import set_vllm_log_level
 from rollout.models import ModelError, resolve_model
 from rollout.store import SampleStore, StoreError, fingerprint
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.overrides, args.config)
+        set_vllm_log_level(cfg.output.vllm_log_level)  # before anything here imports vLLM
         tokenizer = load_tokenizer(resolve_model(cfg.model.path))
         prompts, skipped = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
         out_dir = Path(cfg.output.dir)
@@ -110,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 
     order = [(p.prompt_id, j) for p in prompts for j in range(cfg.sampling.n)]
     for item in skipped:
-        print(f"warning: skipped prompt {item['prompt_id']!r} (row {item['row']}): {item['prompt_tokens']} tokens "
-              f"do not fit model.max_model_len={cfg.model.max_model_len}", file=sys.stderr)
+        print(f"warning: skipped prompt {item['prompt_id']!r} ({cfg.data.source} {item['location']}): "
+              f"{item['prompt_tokens']} tokens do not fit model.max_model_len={cfg.model.max_model_len}",
+              file=sys.stderr)
     if done:
         print(f"resuming: {len(done)} of {len(order)} samples already in {store.samples_path}", file=sys.stderr)
     else:

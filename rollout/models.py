@@ -49,7 +49,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return an HF folder of SmolLM2-135M-Instruct, converting the packaged GGUF on first use (~20 s)."""
+    """Return an HF folder of SmolLM2-135M-Instruct, converting the packaged GGUF on first use."""
     gguf = smollm2_gguf_path()
     digest = _sha256(gguf)
     out = Path(cache_dir or cache_root()) / f"{SMOLLM2_NAME}-{digest[:16]}"

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -23,16 +24,18 @@ PROMPTS = [
     {"id": "p5", "prompt": "what is 1 plus 1?", "answer": "2"},
 ]
 TOO_LONG = {"id": "long", "prompt": "plus " * 1500, "answer": "0"}  # left out: data.long_prompts=skip
+VLLM_INFO_LINE = re.compile(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d ")  # vLLM's log format: level, date, time
 
 
 def generate(tiny_model, prompt_set, out_dir, *extra):
     args = [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
-            "data.system_prompt=null", f"sampling.n={N}", "sampling.max_tokens=200", "sampling.logprobs=0",
+            f"sampling.n={N}", "sampling.max_tokens=200", "sampling.logprobs=0",
             "model.kv_cache_memory_bytes=8388608", "model.max_model_len=1024", "data.long_prompts=skip",
             "policy.name=memory", "policy.b_max=16", "policy.min_observations=4",  # Algorithm 1: its buffer is checked
             "output.progress=false", f"output.dir={out_dir}", *extra]
     result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    (out_dir / "console.txt").write_text(result.stdout + result.stderr)
     return json.loads((out_dir / "summary.json").read_text())
 
 
@@ -42,7 +45,8 @@ def two_runs(tiny_model, tmp_path_factory):
     prompt_set = root / "prompts.jsonl"
     prompt_set.write_text("".join(json.dumps(p) + "\n" for p in [*PROMPTS[:3], TOO_LONG, *PROMPTS[3:]]))
     first = generate(tiny_model, prompt_set, root / "first")
-    second = generate(tiny_model, prompt_set, root / "second", f"output.stats_in={root / 'first' / 'length_stats.json'}")
+    second = generate(tiny_model, prompt_set, root / "second", f"output.stats_in={root / 'first' / 'length_stats.json'}",
+                      "output.vllm_log_level=INFO")
     return root, first, second
 
 
@@ -63,6 +67,9 @@ def test_outputs_are_complete(two_runs):
         assert r["prompt_tokens"] == len(r["prompt_token_ids"])
         assert all(lp <= 0.0 for lp in r["logprobs"])
         assert r["answer"] == next(p["answer"] for p in PROMPTS if p["id"] == r["prompt_id"])
+    # The user's own prompts as they are: no system prompt from the demo preset.
+    p0 = next(r for r in rows if r["prompt_id"] == "p0")
+    assert p0["prompt"] == "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n"
     assert first["num_samples"] == len(PROMPTS) * N
     assert first["generated_tokens"] == sum(r["completion_tokens"] for r in rows)
 
@@ -70,9 +77,9 @@ def test_outputs_are_complete(two_runs):
 def test_summary_reports_throughput_caps_and_statistics(two_runs):
     root, first, _ = two_runs
     assert [s["prompt_id"] for s in first["skipped_prompts"]] == ["long"]
-    assert first["skipped_prompts"][0]["row"] == 3
+    assert first["skipped_prompts"][0]["location"] == "line 4"
     assert first["generated_tokens_per_s"] > 0
-    assert first["preemptions"] >= 0
+    assert first["preemptions"] == first["preemptions_in_trace"]  # vLLM's metrics are read
     assert first["series"] and first["series"][0]["cap"] >= 1
     assert first["length_stats"]["count"] == len(PROMPTS) * N
     assert (root / "first" / "trace.png").stat().st_size > 0
@@ -94,3 +101,13 @@ def test_second_run_starts_from_saved_statistics(two_runs):
     first_buffer = next(s["safety_buffer_blocks"] for s in steps if s.get("safety_buffer_blocks") is not None)
     assert first_buffer == pytest.approx(expected, abs=1e-3)
     assert first_buffer > 0
+
+
+def test_vllm_logs_only_warnings_unless_asked(two_runs):
+    """vLLM's INFO lines (engine start, throughput every 10 s) stay off the console by default; the second run
+    asked for them with output.vllm_log_level=INFO. Its metrics are read at both levels."""
+    root, first, second = two_runs
+    quiet, loud = ((root / run / "console.txt").read_text() for run in ("first", "second"))
+    assert not VLLM_INFO_LINE.search(quiet), quiet[-4000:]
+    assert VLLM_INFO_LINE.search(loud)
+    assert second["preemptions"] == second["preemptions_in_trace"]

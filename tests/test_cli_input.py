@@ -19,12 +19,14 @@ def error_line(result):
     return lines[-1]
 
 
-def test_help_lists_the_options():
+def test_help_lists_the_options_with_their_help_texts():
     result = run_cli("--help")
     assert result.returncode == 0
     for key in ("policy.eps_m=0.05", "sampling.n=4", "policy.name=forecast", "policy.order=longest_first",
-                "model.path=smollm2-135m-instruct"):
+                "model.path=smollm2-135m-instruct", "output.vllm_log_level=WARNING"):
         assert key in result.stdout
+    assert "eps_M, the allowed probability that the admitted batch outgrows the KV cache" in " ".join(
+        result.stdout.split())
 
 
 @pytest.mark.parametrize("override, message", [
@@ -48,15 +50,21 @@ def write(path, content):
     return path
 
 
+LONG = json.dumps({"id": "x", "prompt": "plus " * 3000})
+
+
 @pytest.mark.parametrize("name, content, message", [
-    ("broken.jsonl", '{"prompt": "a"}\n{"prompt": \n', "line 2: invalid JSON"),
+    # Every problem by the line an editor shows (1-based, blank lines counted).
+    ("broken.jsonl", '{"prompt": "a"}\n\n{"prompt": \n', "line 3: invalid JSON"),
     ("notobject.jsonl", '{"prompt": "a"}\n[1, 2]\n', "line 2: expected a JSON object, got list"),
     ("nothing.jsonl", "", "is empty"),
     ("broken.json", '[{"prompt": "a"},\n {"prompt": }]', "line 2: invalid JSON"),
-    ("nofield.jsonl", '{"id": 1, "question": "a"}\n', "row 0: missing prompt field 'prompt'"),
-    ("empty.jsonl", '{"id": 1, "prompt": "   "}\n', "row 0: empty prompt"),
-    ("dupe.jsonl", '{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "row 1: duplicate prompt id '1'"),
-    ("long.jsonl", json.dumps({"id": "x", "prompt": "plus " * 3000}) + "\n", "more than the"),
+    ("nofield.jsonl", '\n{"id": 1, "question": "a"}\n', "line 2: missing prompt field 'prompt'"),
+    ("empty.jsonl", '{"id": 1, "prompt": "   "}\n', "line 1: empty prompt"),
+    ("dupe.jsonl", '{"id": 1, "prompt": "a"}\n\n{"id": 2, "prompt": "b"}\n\n{"id": 1, "prompt": "c"}\n',
+     "line 5: duplicate prompt id '1' (first at line 1)"),
+    ("dupe.json", '[\n {"id": 1, "prompt": "a"},\n {"id": 1, "prompt": "b"}\n]', "line 3: duplicate prompt id '1'"),
+    ("long.jsonl", '{"id": "a", "prompt": "hi"}\n\n\n\n' + LONG + "\n", "line 5: prompt 'x' has"),
     ("prompts.csv", "prompt\nhello\n", "unsupported file type '.csv'"),
     ("latin1.jsonl", b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "line 2: not valid UTF-8"),
 ])
@@ -76,15 +84,22 @@ def test_missing_prompt_set(tmp_path, tiny_model):
 
 
 def test_missing_model_folder(tmp_path):
-    line = error_line(run_cli(f"model.path={tmp_path}/no-model", f"output.dir={tmp_path}/out"))
+    line = error_line(run_cli(f"model.path={tmp_path}/no-model", "data.source=reasoning_gym:gsm_symbolic",
+                              f"output.dir={tmp_path}/out"))
     assert "does not exist" in line
+
+
+def test_own_data_without_a_model_says_what_to_give(tmp_path):
+    line = error_line(run_cli(f"data.source={tmp_path}/prompts.jsonl", f"output.dir={tmp_path}/out"))
+    assert "model.path is not set" in line
 
 
 def test_existing_outputs_are_not_overwritten(tmp_path, tiny_model):
     out = tmp_path / "out"
     out.mkdir()
     (out / "samples.jsonl").write_text("precious\n")
-    line = error_line(run_cli(f"model.path={tiny_model}", f"output.dir={out}"))
+    line = error_line(run_cli(f"model.path={tiny_model}", "data.source=reasoning_gym:gsm_symbolic",
+                              "data.num_prompts=2", f"output.dir={out}"))
     assert "output.overwrite=true" in line
     assert (out / "samples.jsonl").read_text() == "precious\n"
     assert not (out / "manifest.json").exists()
@@ -93,7 +108,7 @@ def test_existing_outputs_are_not_overwritten(tmp_path, tiny_model):
 def test_long_prompts_can_be_skipped(tmp_path, tiny_model):
     """data.long_prompts=skip leaves over-long prompts out with a warning; here every prompt is too long, so
     the run still stops, naming the reason, before any engine starts."""
-    path = write(tmp_path / "long.jsonl", json.dumps({"id": "x", "prompt": "plus " * 3000}) + "\n")
+    path = write(tmp_path / "long.jsonl", LONG + "\n")
     line = error_line(run_cli(f"model.path={tiny_model}", f"data.source={path}", "model.max_model_len=512",
                               "data.long_prompts=skip", f"output.dir={tmp_path}/out"))
     assert "every prompt is longer than 511 tokens" in line

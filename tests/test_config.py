@@ -1,6 +1,12 @@
+import dataclasses
+from pathlib import Path
+
 import pytest
 
-from rollout.config import ConfigError, load_config
+from rollout.config import (ConfigError, DataConfig, ModelConfig, OutputConfig, PolicyConfig, RunConfig,
+                            SamplingConfig, configuration_markdown, describe_options, load_config)
+
+DEMO_SYSTEM_PROMPT = "Solve the problem step by step. End with the final answer as a number after '####'."
 
 
 def test_defaults_and_dotlist_overrides():
@@ -8,7 +14,47 @@ def test_defaults_and_dotlist_overrides():
     assert cfg.policy.eps_m == 0.01
     assert cfg.sampling.n == 8
     assert cfg.policy.name == "memory-clt"
-    assert cfg.model.path == "smollm2-135m-instruct"  # the embedded default
+    assert cfg.model.path == "smollm2-135m-instruct"  # the demo preset: neither data.source nor model.path set
+
+
+def test_the_demo_preset_is_the_no_argument_job():
+    cfg = load_config([])
+    assert (cfg.model.path, cfg.data.source, cfg.data.num_prompts) == (
+        "smollm2-135m-instruct", "reasoning_gym:gsm_symbolic", 64)
+    assert cfg.data.system_prompt == DEMO_SYSTEM_PROMPT
+    assert (cfg.sampling.max_tokens, cfg.model.kv_cache_memory_bytes) == (384, 1 << 30)
+
+
+@pytest.mark.parametrize("given", [["data.source=my.jsonl", "model.path=/models/mine"],
+                                   ["data.source=reasoning_gym:basic_arithmetic", "model.path=/models/mine"]])
+def test_a_users_own_data_gets_none_of_the_demos_settings(given):
+    cfg = load_config(given)
+    schema = RunConfig(model=ModelConfig(path="/models/mine"), data=DataConfig(source=given[0][12:]))
+    assert cfg == schema  # exactly the schema's defaults: no system prompt, max_tokens, KV size from the demo
+    assert cfg.data.system_prompt is None
+
+
+def test_a_users_config_file_counts_as_their_own_run(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  path: /models/mine\ndata:\n  source: my.jsonl\n")
+    assert load_config([], str(path)).data.system_prompt is None
+
+
+def test_the_demo_preset_by_name():
+    cfg = load_config(["preset=demo", "model.path=/models/mine"])
+    assert (cfg.model.path, cfg.data.source, cfg.data.system_prompt) == (
+        "/models/mine", "reasoning_gym:gsm_symbolic", DEMO_SYSTEM_PROMPT)
+
+
+@pytest.mark.parametrize("given, message", [
+    (["data.source=my.jsonl"], "model.path is not set: give a local model folder, or smollm2-135m-instruct"),
+    (["model.path=/models/mine"], "data.source is not set: give reasoning_gym:<dataset>"),
+    (["preset=nope"], "preset: unknown preset 'nope'; choose one of demo"),
+])
+def test_a_run_without_model_or_data_says_what_to_give(given, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(given)
+    assert message in str(info.value)
 
 
 def test_policy_shorthand_and_sla_settings():
@@ -51,6 +97,7 @@ def test_config_file_is_merged(tmp_path):
     (["model.dtype=fp8"], "model.dtype must be one of auto, bfloat16, float16, float32, half, float, got 'fp8'"),
     (["model.data_parallel_size=0"], "model.data_parallel_size must be >= 1, got 0"),
     (["model.data_parallel_size=2", "model.device_ids=[0]"], "model.device_ids must list a device for every"),
+    (["output.vllm_log_level=loud"], "output.vllm_log_level must be one of CRITICAL, ERROR, WARNING, INFO, DEBUG"),
 ])
 def test_bad_values_fail_with_one_clear_message(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -74,3 +121,69 @@ def test_dtype_auto_is_float32_only_where_the_cpu_has_no_bfloat16_kernels(monkey
     assert engine_dtype("auto") == "bfloat16"
     monkeypatch.setattr(rollout.engine, "cpu_has_bfloat16_kernels", lambda: False)  # AVX2 only
     assert engine_dtype("auto") == "float32"
+
+
+SECTIONS = (ModelConfig, DataConfig, SamplingConfig, PolicyConfig, OutputConfig)
+
+
+@pytest.mark.parametrize("section", SECTIONS, ids=lambda c: c.__name__)
+def test_every_field_has_a_help_text(section):
+    assert not section.__doc__.startswith(f"{section.__name__}("), "the section needs a docstring (its description)"
+    for f in dataclasses.fields(section):
+        assert len(f.metadata.get("help", "")) > 10, f"{section.__name__}.{f.name} has no help text"
+
+
+def test_help_lists_every_option_with_its_help_text():
+    text = describe_options()
+    for section, cls in zip(("model", "data", "sampling", "policy", "output"), SECTIONS):
+        for f in dataclasses.fields(cls):
+            assert f"  {section}.{f.name}" in text
+            assert " ".join(f.metadata["help"].split()[:4]) in " ".join(text.split())
+    assert "  policy.eps_m=0.05\n" in text and "  model.path (required)\n" in text
+    assert f"  data.system_prompt={DEMO_SYSTEM_PROMPT}" in text  # in the demo preset's block
+
+
+def test_configuration_docs_are_current():
+    committed = Path(__file__).parents[1] / "docs" / "configuration.md"
+    assert committed.read_text() == configuration_markdown(), (
+        "docs/configuration.md is not the schema's: run `python -m rollout.config --docs docs/configuration.md`")
+
+
+def test_policy_config_travels_as_a_dict_and_comes_back_whole():
+    policy = load_config(["policy=sla", "policy.d_sla_ms=40", "policy.forecast_siblings=false"]).policy
+    assert PolicyConfig.from_dict(dataclasses.asdict(policy)) == policy
+    assert PolicyConfig.from_dict({"name": "memory", "eps_m": 0.1}) == PolicyConfig(name="memory", eps_m=0.1)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"name": "forecast", "graph_batch": 512}, "policy: unknown setting graph_batch (PolicyConfig's fields"),
+    ({"colour": "red", "size": 3}, "policy: unknown settings colour, size"),
+    ({"name": "sla"}, "policy.name=sla needs policy.d_sla_ms > 0"),
+    ({"eps_m": 1.5}, "policy.eps_m must be in (0, 1), got 1.5"),
+    ({"forecast_min_wave": 1.0}, "policy.forecast_min_wave must be in [0, 1), got 1.0"),
+])
+def test_policy_config_from_dict_checks_what_it_rebuilds(settings, message):
+    with pytest.raises(ConfigError) as info:
+        PolicyConfig.from_dict(settings)
+    assert message in str(info.value)
+
+
+def test_vllm_log_level_yields_to_the_users_environment(monkeypatch):
+    import logging
+
+    import rollout.engine
+    from rollout.engine import set_vllm_log_level
+
+    monkeypatch.setattr(rollout.engine, "_written_log_level", None)
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    vllm_logger = logging.getLogger("vllm")
+    before = vllm_logger.level
+    try:
+        assert set_vllm_log_level("warning") == "WARNING"
+        assert vllm_logger.level == logging.WARNING
+        assert set_vllm_log_level("INFO") == "INFO"  # a later engine's own setting replaces the one written here
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the user's
+        assert set_vllm_log_level("WARNING") == "DEBUG"
+        assert vllm_logger.level == logging.DEBUG
+    finally:
+        vllm_logger.setLevel(before)

@@ -1,5 +1,7 @@
 import pytest
 
+import json
+
 from rollout.data import DataError, extract_final_answer, load_rows, prepare_prompts
 
 
@@ -15,8 +17,9 @@ def test_extract_final_answer(completion, answer):
 
 
 def test_reasoning_gym_set_is_seeded_and_scored():
-    rows = load_rows("reasoning_gym:gsm_symbolic", 5, seed=42)
-    again = load_rows("reasoning_gym:gsm_symbolic", 5, seed=42)
+    rows, where = load_rows("reasoning_gym:gsm_symbolic", 5, seed=42)
+    again, _ = load_rows("reasoning_gym:gsm_symbolic", 5, seed=42)
+    assert where == [f"row {i}" for i in range(1, 6)]
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in again]
     assert [r["id"] for r in rows] == [f"gsm_symbolic-42-{i}" for i in range(5)]
     for row in rows:
@@ -42,8 +45,8 @@ def test_file_formats_give_the_same_rows(tmp_path, suffix):
         table.to_parquet(str(path))
     else:
         table.save_to_disk(str(path))
-    assert load_rows(str(path), None, 0) == rows
-    assert load_rows(str(path), 2, 0) == rows[:2]
+    assert load_rows(str(path), None, 0)[0] == rows
+    assert load_rows(str(path), 2, 0)[0] == rows[:2]
 
 
 def test_chat_template_and_field_names(tiny_model):
@@ -65,7 +68,7 @@ def test_chat_template_and_field_names(tiny_model):
 
 
 def test_reasoning_gym_dataset_settings_reach_the_generator():
-    rows = load_rows("reasoning_gym:basic_arithmetic", 20, seed=1,
+    rows, _ = load_rows("reasoning_gym:basic_arithmetic", 20, seed=1,
                      dataset_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
                                      "operators": ["+"]})
     import re
@@ -88,7 +91,7 @@ def test_token_id_prompts_need_no_tokenizer(tmp_path):
                                  answer_field=None, system_prompt="ignored for token ids", apply_chat_template=True,
                                  max_prompt_tokens=3)
     assert [p.token_ids for p in prompts] == [[5, 6, 7], [9]] and prompts[0].text == ""
-    with pytest.raises(DataError, match="row 1: a text prompt needs a tokenizer"):
+    with pytest.raises(DataError, match="mixed.jsonl row 2: a text prompt needs a tokenizer"):
         prepare_prompts([{"prompt": [1]}, {"prompt": "two"}], None, source="mixed.jsonl", prompt_field="prompt",
                         id_field=None, answer_field=None, system_prompt=None, apply_chat_template=True,
                         max_prompt_tokens=8)
@@ -98,3 +101,71 @@ def test_token_id_prompts_need_no_tokenizer(tmp_path):
     with pytest.raises(DataError, match="negative token id"):
         prepare_prompts([{"prompt": [3, -1]}], None, source="neg.jsonl", prompt_field="prompt", id_field=None,
                         answer_field=None, system_prompt=None, apply_chat_template=True, max_prompt_tokens=8)
+
+
+def test_rows_are_located_as_an_editor_shows_the_file(tmp_path):
+    """JSONL: 1-based file lines, blank lines counted; JSON: the line each array item starts on."""
+    jsonl = tmp_path / "set.jsonl"
+    jsonl.write_text('{"id": "a", "prompt": "x"}\n\n   \n{"id": "b", "prompt": "y"}\n{"id": "c", "prompt": "z"}\n\n')
+    assert load_rows(str(jsonl), None, 0) == ([{"id": i, "prompt": p} for i, p in zip("abc", "xyz")],
+                                              ["line 1", "line 4", "line 5"])
+    assert load_rows(str(jsonl), 2, 0)[1] == ["line 1", "line 4"]
+    array = tmp_path / "set.json"
+    array.write_text('[\n  {"id": "a", "prompt": "x"},\n\n  {"id": "b",\n'
+                     '   "prompt": "[y]\\n"}, {"id": "c", "prompt": "z"}\n]\n')  # an escaped newline is no line
+    assert load_rows(str(array), None, 0)[1] == ["line 2", "line 4", "line 5"]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "folder"])
+def test_rows_of_tables_are_counted_from_one(tmp_path, kind):
+    import datasets
+
+    table = datasets.Dataset.from_list([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    path = tmp_path / ("set.parquet" if kind == "parquet" else "set")
+    table.to_parquet(str(path)) if kind == "parquet" else table.save_to_disk(str(path))
+    assert load_rows(str(path), None, 0)[1] == ["row 1", "row 2"]
+
+
+def prompts_of(path, **settings):
+    from rollout.data import load_prompts
+    from rollout.config import DataConfig
+
+    return load_prompts(DataConfig(source=str(path), **settings), None, max_prompt_tokens=4)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("dupe.jsonl", '{"id": 1, "prompt": [1]}\n\n{"id": 2, "prompt": [2]}\n\n{"id": 1, "prompt": [3]}\n',
+     "dupe.jsonl line 5: duplicate prompt id '1' (first at line 1)"),
+    ("long.jsonl", '\n{"id": "w", "prompt": [1]}\n{"id": "x", "prompt": [1, 2, 3, 4, 5]}\n',
+     "long.jsonl line 3: prompt 'x' has 5 tokens, more than the 4"),
+    ("nofield.jsonl", '{"id": 1, "prompt": [1]}\n\n{"id": 2, "text": "a"}\n',
+     "nofield.jsonl line 3: missing prompt field 'prompt'"),
+    ("negative.jsonl", '\n\n{"prompt": [3, -1]}\n', "negative.jsonl line 3: negative token id"),
+    ("dupe.json", '[\n {"id": 1, "prompt": [1]},\n\n {"id": 1,\n  "prompt": [2]}\n]',
+     "dupe.json line 4: duplicate prompt id '1' (first at line 2)"),
+    ("text.json", '[{"id": 1, "prompt": [1]},\n {"id": 2, "prompt": "words"}]',
+     "text.json line 2: a text prompt needs a tokenizer"),
+    ("notobject.json", '[{"prompt": [1]},\n\n 3]', "notobject.json line 3: expected a JSON object, got int"),
+    ("notobject.jsonl", '{"prompt": [1]}\n\n[1, 2]\n', "notobject.jsonl line 3: expected a JSON object, got list"),
+    ("broken.jsonl", '{"prompt": [1]}\n\n{"prompt": \n', "broken.jsonl line 3: invalid JSON"),
+])
+def test_problems_are_reported_by_file_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError) as info:
+        prompts_of(path)
+    assert str(path.parent / message) in str(info.value)
+
+
+def test_problems_in_tables_are_reported_by_row(tmp_path):
+    import datasets
+
+    path = tmp_path / "set.parquet"
+    datasets.Dataset.from_list([{"id": "a", "prompt": [1]}, {"id": "b", "prompt": [2]},
+                                {"id": "a", "prompt": [3]}]).to_parquet(str(path))
+    with pytest.raises(DataError, match=r"set.parquet row 3: duplicate prompt id 'a' \(first at row 1\)"):
+        prompts_of(path)
+    datasets.Dataset.from_list([{"id": "a", "prompt": [1]}, {"id": "b", "prompt": [1, 2, 3, 4, 5]}]).to_parquet(
+        str(path))
+    _, skipped = prompts_of(path, long_prompts="skip")
+    assert skipped == [{"prompt_id": "b", "location": "row 2", "prompt_tokens": 5}]

@@ -1,93 +1,163 @@
-"""The policy's settings: one dataclass, the `policy.*` section of the run configuration. It travels to the
-engine process as a plain dict in vLLM's additional_config and is rebuilt there whole (no omegaconf, no vLLM)."""
+"""The policy's settings: one dataclass, the `policy.*` section of the run configuration, with every check of
+it in `validate()`. It travels to the engine process as a plain dict (`dataclasses.asdict`) in vLLM's
+additional_config and is rebuilt there whole by `PolicyConfig.from_dict` (no omegaconf, no vLLM)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
+
+from rollout.policy.length_stats import FORGETTING_MODES
+
+COLD_STARTS = ("gamma", "memory")
+ORDERS = ("longest_first", "fifo")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
 
 
 @dataclass
 class PolicyConfig:
-    name: str = "forecast"  # forecast | memory | memory-clt | sla | static (oracle: benchmarks only)
-    b_max: int = 256  # B_max, also vLLM's max_num_seqs (buffers are sized from it)
-    b_min: int = 1
-    static_cap: Optional[int] = None  # static policy's cap; None: b_max
-    eps_m: float = 0.05  # allowed probability that the admitted batch outgrows the KV cache
-    update_every: int = 16  # K: refresh the safety buffer every K finished requests
-    min_observations: int = 8  # until then, demand = prompt + max_tokens
-    forgetting: str = "none"  # none | window | exponential
-    window: int = 2048
-    decay: float = 0.999
-    # sla (Algorithm 2 with Algorithm 1): D_SLA, the bound on a step's latency (the time between tokens).
-    d_sla_ms: Optional[float] = None
-    sla_eps_ms: Optional[float] = None  # eps_D, the band around D_SLA read as on target; None: 5% of d_sla_ms
-    sla_relax: float = 4.0  # alpha, in requests: how far the search's other bound steps back out per decision
-    sla_hold: float = 2.0  # delta, in requests: half-width kept around a batch that met the bound
-    sla_window: int = 8  # steps averaged per decision
-    # Also size the token budget of steps that run prompt tokens (the paper's chunked-prefill use). Off by
-    # default: on an H200 it lowered capacity under a 30 ms bound (docs/benchmarks.md, "Capacity under an SLA").
-    sla_chunk: bool = False
-    sla_chunk_min_tokens: int = 32
-    sla_chunk_relax_tokens: float = 64.0
-    sla_chunk_hold_tokens: float = 32.0
-    # forecast: finished lengths (a prompt's samples counting once) needed before the estimate rests on them
-    # alone, and the weight of each earlier pass's length when a new pass starts. Until then (cold start):
-    # gamma = a gamma prior (this shape, mean of the requests' max_tokens) stands in for the missing lengths;
-    # memory = Algorithm 1's worst case.
-    forecast_after: int = 8
-    forecast_carry_over: float = 0.05
-    forecast_cold_start: str = "gamma"  # gamma | memory
-    forecast_cold_start_shape: float = 3.0
-    # The first wave of a pass with nothing known holds each request for this share of its max_tokens (0: for
-    # the prior's whole future); the prior then stays until this share of the running requests have finished.
-    forecast_cold_start_horizon: float = 0.08
-    forecast_after_share: float = 0.1
-    # The running requests' own forecast is held to the test admissions pass, at each future time (false: their
-    # largest expected demand plus their largest spread wherever each falls, the rule before stop 24).
-    forecast_pointwise_running_peak: bool = True
-    # A forecast admits nothing until this share of the running requests fit (or the whole queue): admissions
-    # come in waves, fewer steps leave the decode-only CUDA graph for prompt tokens.
-    forecast_min_wave: float = 0.08
-    # Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).
-    forecast_tail_confidence: float = 1.5
-    # Narrow the forecast's margin while nothing is preempted and admissions wait, widen it on preemption.
-    forecast_margin_feedback: bool = False
-    # Sibling updates: within a pass, a group's finished samples (and its running ones' output so far) move
-    # the length estimate of the group's other samples (GRPO's n samples of a prompt; no effect on groups of one).
-    forecast_siblings: bool = True
-    # Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go
-    # first (the driver's per-prompt memory, saved beside the length statistics as prompt_lengths.json;
-    # unseen prompts rank at the mean), and each request carries its predicted relative length to the
-    # scheduler (the forecast policy scales its length estimate by it).
-    order: str = "longest_first"  # longest_first | fifo
-    # With longest_first, prompts whose lengths are unknown (a first pass) send one sample ahead; the rest wait at
-    # the end and are ordered as those probes finish, a group whose probe still runs first (rollout/policy/probes.py).
-    # No effect with fifo. On by default since stop 28: +1.9% to +3.4% on an H200's grpo-groups (docs/benchmarks.md).
-    probe_first: bool = True
-    # Hold the running batch at the engine's largest CUDA-graph batch (vLLM: 512 unless configured) unless its
-    # measured steps say a larger one makes more tokens a second (memory, memory-clt, sla, forecast). Off by
-    # default: on H100s it tied (docs/benchmarks.md, stop 16).
-    graph_cap: bool = False
+    """The batch-size policy that sets vLLM's admission cap every engine step, and its settings. The paper's
+    symbols: Pang, Li, Wang, arXiv 2503.05248 (Algorithm 1: memory; Algorithm 2: sla)."""
+
+    name: str = field(default="forecast", metadata={"help": (
+        "The batch-size policy: forecast, memory (Algorithm 1), memory-clt (its exact CLT bound), sla (Algorithm 2 "
+        "with Algorithm 1) or static. Benchmark references: vllm (vLLM's own scheduler, untouched) and oracle (reads "
+        "true lengths from max_tokens; needs sampling.ignore_eos=true).")})
+    b_max: int = field(default=256, metadata={"help": (
+        "B_max, the largest cap; also vLLM's max_num_seqs, which sizes its buffers.")})
+    b_min: int = field(default=1, metadata={"help": "B_min, the smallest cap a policy sets."})
+    static_cap: Optional[int] = field(default=None, metadata={"help": (
+        "The static policy's cap, in [1, b_max]; null: b_max.")})
+    eps_m: float = field(default=0.05, metadata={"help": (
+        "eps_M, the allowed probability that the admitted batch outgrows the KV cache.")})
+    update_every: int = field(default=16, metadata={"help": (
+        "K: the safety buffer is refreshed every K finished requests.")})
+    min_observations: int = field(default=8, metadata={"help": (
+        "Finished requests before the length statistics are used; until then a request's demand is its prompt plus "
+        "its max_tokens.")})
+    forgetting: str = field(default="none", metadata={"help": (
+        "How the length statistics forget old lengths across RL iterations: none, window (the last `window` lengths) "
+        "or exponential (weights decay by `decay` per length).")})
+    window: int = field(default=2048, metadata={"help": "Lengths kept with forgetting=window."})
+    decay: float = field(default=0.999, metadata={"help": (
+        "Weight kept per new length with forgetting=exponential, in (0, 1].")})
+    d_sla_ms: Optional[float] = field(default=None, metadata={"help": (
+        "D_SLA, the bound on a step's latency (the time between tokens) in ms; the sla policy needs it.")})
+    sla_eps_ms: Optional[float] = field(default=None, metadata={"help": (
+        "eps_D, the band around d_sla_ms read as on target, in ms; null: 5% of d_sla_ms.")})
+    sla_relax: float = field(default=4.0, metadata={"help": (
+        "alpha, in requests: how far the search's other bound steps back out per decision.")})
+    sla_hold: float = field(default=2.0, metadata={"help": (
+        "delta, in requests: the half-width kept around a batch that met the bound.")})
+    sla_window: int = field(default=8, metadata={"help": "Steps averaged per decision of the latency search."})
+    sla_chunk: bool = field(default=False, metadata={"help": (
+        "Also size the token budget of steps that run prompt tokens (chunked prefill). Off by default: it lowered "
+        "capacity under a 30 ms bound on an H200 (docs/results.md).")})
+    sla_chunk_min_tokens: int = field(default=32, metadata={"help": (
+        "With sla_chunk: the smallest prompt chunk, in tokens.")})
+    sla_chunk_relax_tokens: float = field(default=64.0, metadata={"help": (
+        "With sla_chunk: alpha of the chunk search, in tokens.")})
+    sla_chunk_hold_tokens: float = field(default=32.0, metadata={"help": (
+        "With sla_chunk: delta of the chunk search, in tokens.")})
+    forecast_after: int = field(default=8, metadata={"help": (
+        "Finished lengths (a prompt's samples counting once) before the forecast rests on them alone; until then the "
+        "cold start stands in.")})
+    forecast_carry_over: float = field(default=0.05, metadata={"help": (
+        "Weight, in [0, 1], of each earlier pass's length when a new pass starts.")})
+    forecast_cold_start: str = field(default="gamma", metadata={"help": (
+        "What stands in for the lengths not known yet: gamma (a gamma prior of shape forecast_cold_start_shape, mean "
+        "the requests' max_tokens) or memory (Algorithm 1's worst case).")})
+    forecast_cold_start_shape: float = field(default=3.0, metadata={"help": "Shape of the gamma prior, > 0."})
+    forecast_cold_start_horizon: float = field(default=0.08, metadata={"help": (
+        "The first wave of a pass with nothing known holds each request for this share of its max_tokens (0: for the "
+        "prior's whole future).")})
+    forecast_after_share: float = field(default=0.1, metadata={"help": (
+        "The prior stays until this share of the running requests have finished, in [0, 1].")})
+    forecast_pointwise_running_peak: bool = field(default=True, metadata={"help": (
+        "Hold the running requests' own forecast to the test admissions pass, at each future time (false: their "
+        "largest expected demand plus their largest spread, wherever each falls).")})
+    forecast_min_wave: float = field(default=0.08, metadata={"help": (
+        "Admit nothing until this share of the running requests fit (or the whole queue), in [0, 1): admissions come "
+        "in waves, and fewer steps leave the decode-only CUDA graph for prompt tokens.")})
+    forecast_tail_confidence: float = field(default=1.5, metadata={"help": (
+        "Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).")})
+    forecast_margin_feedback: bool = field(default=False, metadata={"help": (
+        "Narrow the forecast's margin while nothing is preempted and admissions wait; widen it on preemption.")})
+    forecast_siblings: bool = field(default=True, metadata={"help": (
+        "Within a pass, a group's finished samples (and its running ones' output so far) move the length estimate of "
+        "its other samples (GRPO's n samples of a prompt; no effect on groups of one).")})
+    order: str = field(default="longest_first", metadata={"help": (
+        "Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go first "
+        "(the per-prompt memory, prompt_lengths.json beside the length statistics; unseen prompts rank at the mean), "
+        "each request carrying its predicted relative length to the scheduler. fifo: the set's order.")})
+    probe_first: bool = field(default=True, metadata={"help": (
+        "With longest_first: prompts whose lengths are unknown send one sample ahead, the rest of their group waits "
+        "at the end, ordered as those probes finish. On by default: it raised throughput on grouped GRPO workloads on "
+        "an H200 (docs/results.md).")})
+    graph_cap: bool = field(default=False, metadata={"help": (
+        "Hold the running batch at the engine's largest CUDA-graph batch (vLLM: 512 unless configured) unless "
+        "measured steps say a larger one makes more tokens a second (memory, memory-clt, sla, forecast). Off by "
+        "default: it tied on H100s (docs/results.md).")})
 
     @classmethod
-    def from_dict(cls, settings: dict) -> "PolicyConfig":
-        """Rebuilt from its plain dict form (what travels in vLLM's additional_config), then validated."""
+    def from_dict(cls, settings: dict) -> PolicyConfig:
+        """The dataclass again from its plain dict form (`dataclasses.asdict`, as it travels in vLLM's
+        additional_config), checked. Keys left out take their defaults; an unknown key is an error."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(settings) - known)
         if unknown:
-            raise ValueError(f"policy settings: unknown key(s) {', '.join(unknown)}")
+            raise ConfigError(f"policy: unknown setting{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
+                              f"(PolicyConfig's fields are listed in docs/configuration.md)")
         config = cls(**settings)
         config.validate()
         return config
 
     def validate(self) -> None:
-        """Every check of the policy's settings (the policies trust them)."""
-        if self.name == "sla" and not (self.d_sla_ms is not None and self.d_sla_ms > 0):
-            raise ValueError(f"policy.name=sla needs policy.d_sla_ms > 0 (the step latency bound in ms), got {self.d_sla_ms}")
-        if not 0 <= self.forecast_min_wave < 1:
-            raise ValueError(f"policy.forecast_min_wave must be in [0, 1), got {self.forecast_min_wave}")
-        if self.forecast_cold_start not in ("gamma", "memory"):
-            raise ValueError(f"policy.forecast_cold_start must be gamma or memory, got {self.forecast_cold_start!r}")
-        if not self.forecast_cold_start_shape > 0:
-            raise ValueError(f"policy.forecast_cold_start_shape must be > 0, got {self.forecast_cold_start_shape}")
+        """Every check of the policy's own settings; the first one that fails raises a ConfigError. The name is
+        checked against the registry, and settings that involve other sections, by rollout.config.validate."""
+        for ok, message in self._checks():
+            if not ok:
+                raise ConfigError(message)
+
+    def _checks(self):
+        p = self
+        yield 0.0 < p.eps_m < 1.0, f"policy.eps_m must be in (0, 1), got {p.eps_m}"
+        yield p.b_max >= 1, f"policy.b_max must be >= 1, got {p.b_max}"
+        yield p.b_min >= 1, f"policy.b_min must be >= 1, got {p.b_min}"
+        yield p.b_min <= p.b_max, f"policy.b_min ({p.b_min}) must not exceed policy.b_max ({p.b_max})"
+        yield (p.static_cap is None or 1 <= p.static_cap <= p.b_max,
+               f"policy.static_cap must be in [1, b_max={p.b_max}], got {p.static_cap}")
+        yield p.update_every >= 1, f"policy.update_every must be >= 1, got {p.update_every}"
+        yield p.min_observations >= 0, f"policy.min_observations must be >= 0, got {p.min_observations}"
+        yield (p.forgetting in FORGETTING_MODES,
+               f"policy.forgetting must be one of {FORGETTING_MODES}, got {p.forgetting!r}")
+        yield p.window >= 2, f"policy.window must be >= 2, got {p.window}"
+        yield 0.0 < p.decay <= 1.0, f"policy.decay must be in (0, 1], got {p.decay}"
+        yield (p.name != "sla" or (p.d_sla_ms is not None and p.d_sla_ms > 0),
+               f"policy.name=sla needs policy.d_sla_ms > 0 (the step latency bound in ms), got {p.d_sla_ms}")
+        yield p.sla_eps_ms is None or p.sla_eps_ms >= 0, f"policy.sla_eps_ms must be >= 0, got {p.sla_eps_ms}"
+        yield (p.sla_relax >= 0 and p.sla_hold >= 0 and p.sla_chunk_relax_tokens >= 0
+               and p.sla_chunk_hold_tokens >= 0,
+               "policy.sla_relax, sla_hold, sla_chunk_relax_tokens and sla_chunk_hold_tokens must be >= 0")
+        yield p.sla_window >= 1, f"policy.sla_window must be >= 1, got {p.sla_window}"
+        yield (p.sla_chunk_min_tokens >= 1,
+               f"policy.sla_chunk_min_tokens must be >= 1, got {p.sla_chunk_min_tokens}")
+        yield p.forecast_after >= 1, f"policy.forecast_after must be >= 1, got {p.forecast_after}"
+        yield (0 <= p.forecast_carry_over <= 1,
+               f"policy.forecast_carry_over must be in [0, 1], got {p.forecast_carry_over}")
+        yield (p.forecast_cold_start in COLD_STARTS,
+               f"policy.forecast_cold_start must be gamma or memory, got {p.forecast_cold_start!r}")
+        yield (p.forecast_cold_start_shape > 0,
+               f"policy.forecast_cold_start_shape must be > 0, got {p.forecast_cold_start_shape}")
+        yield (p.forecast_cold_start_horizon >= 0,
+               f"policy.forecast_cold_start_horizon must be >= 0, got {p.forecast_cold_start_horizon}")
+        yield (0 <= p.forecast_after_share <= 1,
+               f"policy.forecast_after_share must be in [0, 1], got {p.forecast_after_share}")
+        yield (0 <= p.forecast_min_wave < 1,
+               f"policy.forecast_min_wave must be in [0, 1), got {p.forecast_min_wave}")
+        yield (p.forecast_tail_confidence >= 0,
+               f"policy.forecast_tail_confidence must be >= 0, got {p.forecast_tail_confidence}")
+        yield p.order in ORDERS, f"policy.order: {p.order!r} is not fifo or longest_first"
