@@ -219,8 +219,8 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
-    need(p.name in POLICIES or p.name == VLLM_DEFAULT,
-         f"policy.name: unknown policy {p.name!r}; choose one of {sorted(n for n, c in POLICIES.items() if not c.benchmark_only)}")
+    choices = sorted(name for name, cls in POLICIES.items() if not cls.benchmark_only)
+    need(p.name in POLICIES or p.name == VLLM_DEFAULT, f"policy.name: unknown policy {p.name!r}; choose one of {choices}")
     need(p.name not in POLICIES or not POLICIES[p.name].benchmark_only or s.ignore_eos,
          f"policy.name={p.name} takes max_tokens as each request's true length: it needs sampling.ignore_eos=true")
     p.validate()
