@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--json", help="write every run's summary (without series) here")
     args = parser.parse_args()
 
-    from rollout.bench import GPU_ENGINE
+    from rollout.suite import GPU_ENGINE
     from rollout.config import RunConfig, validate
     from rollout.engine import RolloutEngine
     from rollout.models import build_tiny_llama

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from rollout.bench import load_bench_config
+from rollout.suite import load_bench_config
 from rollout.sim.fit import fit_step_time, step_rows
 from rollout.sim.runs import simulate_profile
 

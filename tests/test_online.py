@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from rollout.online import find_capacity, latency_metrics
+from rollout.suite import find_capacity, latency_metrics
 
 
 def threshold_measure(capacity):

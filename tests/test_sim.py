@@ -165,7 +165,7 @@ def test_the_simulator_ranks_grpo_groups_as_the_gpu_did(capsys):
 
 
 def test_scheduler_settings_in_a_name_are_typed_as_on_the_command_line():
-    from rollout.bench import load_bench_config
+    from rollout.suite import load_bench_config
     from rollout.sim.runs import scheduler_settings
 
     bench = load_bench_config(None, [])

@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from rollout.bench import load_bench_config
+from rollout.suite import load_bench_config
 from rollout.sim.fit import fit_step_time, step_rows
 from rollout.sim.runs import simulate_profile
 
