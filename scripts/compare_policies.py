@@ -1,4 +1,5 @@
-"""Side-by-side policies on one synthetic workload (the quick form of `python -m rollout.bench`) (imposed lengths), interleaved and repeated, in one process.
+"""Policies side by side on one synthetic workload with imposed lengths, interleaved and repeated, in one
+process: the quick form of `python -m rollout.bench`.
 
 CPU, tiny random Llama, a KV cache far smaller than the demand (the default):
     python scripts/compare_policies.py --reps 3
