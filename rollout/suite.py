@@ -310,8 +310,8 @@ def run_bench(bench: BenchConfig, out: Path, on_result: Callable[[dict], None] =
 def time_paired_ratios(results: list[dict], base: str = "vllm") -> list[dict]:
     """Each run's tok/s against the `base` run of its profile that ran at the same time on another GPU (the one
     overlapping it most, by at least half the shorter run; each base run pairs once). A host's speed moves the
-    runs on all its GPUs alike, so such pairs cancel it where pairs within one process do not (their standard
-    error: docs/results.md). Needs `started_at`, `ended_at` and `gpu`."""
+    runs on all its GPUs alike, so such pairs cancel it, which pairs within one process do not (on two GPUs of
+    one host they halve the ratios' standard error: docs/results.md). Needs `started_at`, `ended_at` and `gpu`."""
     timed = [r for r in results if r.get("started_at") is not None and r.get("gpu") is not None]
     candidates = []
     for run in timed:
