@@ -90,7 +90,8 @@ def lognormal_workload(num_prompts: int, *, prompt_tokens: int = 32, median_outp
 def longest_first(requests: list[Request]) -> list[Request]:
     """The oracle's submission order: longest true output first, a group's samples together, groups ordered by
     their longest sample (sorting samples alone splits a prompt's samples apart, and each then holds the
-    prompt's blocks of its own instead of sharing them: 1.021x vLLM's default on grpo-groups, stop 20)."""
+    prompt's blocks of its own instead of sharing them, which loses most of the order's gain on grpo-groups:
+    docs/results.md)."""
     longest: dict[int, int] = {}
     for r in requests:
         longest[r.group] = max(longest.get(r.group, 0), r.output_tokens)

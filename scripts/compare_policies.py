@@ -1,4 +1,5 @@
-"""Side-by-side policies on one synthetic workload (the quick form of `python -m rollout.bench`) (imposed lengths), interleaved and repeated, in one process.
+"""Policies side by side on one synthetic workload with imposed lengths, interleaved and repeated, in one
+process: the quick form of `python -m rollout.bench`.
 
 CPU, tiny random Llama, a KV cache far smaller than the demand (the default):
     python scripts/compare_policies.py --reps 3
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--json", help="write every run's summary (without series) here")
     args = parser.parse_args()
 
-    from rollout.bench import GPU_ENGINE
+    from rollout.suite import GPU_ENGINE
     from rollout.config import RunConfig, validate
     from rollout.engine import RolloutEngine
     from rollout.models import build_tiny_llama

@@ -1,4 +1,4 @@
-"""Weight updates and sleep/wake on a GPU (issue #5): the RL loop's engine calls against the installed vLLM.
+"""Weight updates and sleep/wake on a GPU: the RL loop's engine calls against the installed vLLM.
 
     python scripts/gpu_weight_push.py OUT_DIR
 
@@ -81,4 +81,6 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
     sys.exit(main(Path(sys.argv[1])))

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollout.bench import summarize_ratios, time_paired_ratios
+from rollout.suite import summarize_ratios, time_paired_ratios
 
 results = []
 for folder in sys.argv[1:]:

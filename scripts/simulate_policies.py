@@ -8,31 +8,34 @@ the 8B shape's 128 KiB per token over ~4 TB/s of HBM (it matters for long-cot).
 forecast-lpt keeps a per-prompt memory across iterations as RolloutEngine does with policy.order=longest_first.
 A scheduler may carry policy settings: `forecast:forecast_after=8:eps_m=0.1`.
 
-`--h100` (first argument): the step-time model fitted to an H100 long-cot run instead (configs/sim/long-cot-h100-steps.jsonl.gz,
-long contexts, so the KV-read term is measured), with the H200 fit's prefill terms (that run's prefill steps are
-all large admission waves, which cannot tell a per-token from a per-step cost). On the H100's long-cot it is
-within 1% of the forecast's first pass and 2-3% over vLLM's, where the H200 model put vLLM 10% low.
+`--h100` (first argument): the step-time model fitted to an H100 long-cot run instead
+(configs/sim/long-cot-h100-steps.jsonl.gz: long contexts, so the KV-read term is measured), with the H200 fit's
+prefill terms (that run's prefill steps are all large admission waves, which cannot tell a per-token from a
+per-step cost). For long-cot it is the closer model (docs/results.md).
 """
 import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from rollout.bench import load_bench_config
 from rollout.sim.fit import fit_step_time, step_rows
 from rollout.sim.runs import simulate_profile
+from rollout.suite import load_bench_config
 
-FITS = Path(__file__).resolve().parent.parent / "configs" / "sim"
+ROOT = Path(__file__).resolve().parent.parent
+FITS = ROOT / "configs" / "sim"
 STEPS = FITS / "kv-bound-h200-steps.jsonl.gz"
 H100_STEPS = FITS / "long-cot-h100-steps.jsonl.gz"
 KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B shape
+if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+    sys.exit(__doc__)
 model, _ = fit_step_time(step_rows(STEPS), per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
 if sys.argv[1] == "--h100":
     sys.argv.pop(1)
     h100, _ = fit_step_time([run for run in step_rows(H100_STEPS) if run["scheduler"] == "forecast"])
     model = dataclasses.replace(h100, per_prefill_token=model.per_prefill_token, per_mixed_step=model.per_mixed_step)
 print(f"step time = {model}", flush=True)
-bench = load_bench_config("configs/bench/gpu.yaml", sys.argv[2:])
+bench = load_bench_config(str(ROOT / "configs" / "bench" / "gpu.yaml"), sys.argv[2:])
 for profile in bench.profiles:
     row = {}
     for name in sys.argv[1].split(","):

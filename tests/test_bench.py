@@ -1,14 +1,19 @@
-"""The benchmark's CPU mode end to end (tiny model): tables, plots and consistent numbers."""
+"""The benchmark's CPU mode end to end (tiny model): tables, plots and consistent numbers; the suite's
+configuration and scheduler names without an engine; the package's layering (no library module imports a
+command-line module)."""
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.engine
 def test_cpu_benchmark_smoke(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
@@ -43,7 +48,7 @@ def test_cpu_benchmark_smoke(tmp_path):
         assert (out / name).stat().st_size > 1000
 
 
-def test_bad_bench_config_fails_before_any_engine(tmp_path):
+def test_bad_bench_config_fails_before_any_engine():
     result = subprocess.run([sys.executable, "-m", "rollout.bench", "--config", "configs/bench/cpu-smoke.yaml",
                              "schedulers=[fastest]"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
@@ -51,7 +56,7 @@ def test_bad_bench_config_fails_before_any_engine(tmp_path):
 
 
 def test_a_scheduler_name_carries_policy_settings():
-    from rollout.bench import load_bench_config, scheduler_policy
+    from rollout.suite import load_bench_config, scheduler_policy
 
     bench = load_bench_config("configs/bench/cpu-smoke.yaml", ["schedulers=[vllm,forecast-lpt:forecast_siblings=false]"])
     settings = scheduler_policy(bench, bench.schedulers[1])
@@ -63,12 +68,11 @@ def test_a_scheduler_name_carries_policy_settings():
 
 
 def test_a_misspelt_policy_setting_in_a_scheduler_name_is_an_error():
-    from rollout.bench import load_bench_config
     from rollout.config import ConfigError
     from rollout.sim.runs import scheduler_settings
+    from rollout.suite import load_bench_config
 
-    # Unchecked, the simulator ran the defaults under the variant's name (a sweep of four "variants" came out
-    # identical to the last digit).
+    # Unchecked, a misspelt key would run the defaults under the variant's name.
     with pytest.raises(ConfigError, match="'cold_start_horizon' not in 'PolicyConfig'"):
         load_bench_config("configs/bench/cpu-smoke.yaml", ["schedulers=[vllm,forecast:cold_start_horizon=0.1]"])
     bench = load_bench_config("configs/bench/cpu-smoke.yaml", [])
@@ -78,15 +82,15 @@ def test_a_misspelt_policy_setting_in_a_scheduler_name_is_an_error():
 
 
 def test_prefix_caching_can_be_turned_off_for_the_runs():
-    from rollout.bench import load_bench_config, run_config
+    from rollout.suite import bench_run_config, load_bench_config
 
     for overrides, expected in (([], True), (["prefix_caching=false"], False)):
         bench = load_bench_config("configs/bench/cpu-smoke.yaml", overrides)
-        assert run_config(bench, bench.profiles[0], "vllm", "some/model").model.enable_prefix_caching is expected
+        assert bench_run_config(bench, bench.profiles[0], "vllm", "some/model").model.enable_prefix_caching is expected
 
 
 def test_the_machine_is_named_without_nvidia_smi(monkeypatch):
-    from rollout.bench import machine
+    from rollout.suite import machine
 
     monkeypatch.setenv("PATH", "")  # no nvidia-smi to ask (as on a machine without NVIDIA's driver)
     ran_on = machine(gpu=True)
@@ -94,7 +98,7 @@ def test_the_machine_is_named_without_nvidia_smi(monkeypatch):
 
 
 def test_runs_pair_with_the_default_run_that_ran_at_the_same_time_on_another_gpu():
-    from rollout.bench import summarize_ratios, time_paired_ratios
+    from rollout.suite import summarize_ratios, time_paired_ratios
 
     def run(scheduler, gpu, start, end, tok_s, profile="cap-bound"):
         return {"profile": profile, "scheduler": scheduler, "gpu": gpu, "started_at": start, "ended_at": end,
@@ -114,13 +118,56 @@ def test_runs_pair_with_the_default_run_that_ran_at_the_same_time_on_another_gpu
     assert summary["min"] == pytest.approx(1 / 1.1) and summary["log_standard_error"] == pytest.approx(0.0953, abs=1e-3)
 
 
-def test_device_runs_reads_every_run_of_a_device_output_folder_with_its_call(tmp_path):
-    from rollout.bench import device_runs
+def test_benchmarks_write_under_runs_by_default():
+    from rollout.suite import load_bench_config, load_capacity_config
 
-    for name, scheduler in (("A-g0-kv-bound-forecast", "forecast"), ("B-g1-kv-bound-vllm", "vllm")):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "results.json").write_text(json.dumps({"results": [{"scheduler": scheduler}]}))
-        (tmp_path / f"{name}.log").write_text("log\n")
-    (tmp_path / "C-g0-real-vllm.log").write_text("cut at its deadline: no folder\n")
-    (tmp_path / "C-g0-real-forecast").mkdir()  # cut before it wrote results
-    assert device_runs(tmp_path) == [{"scheduler": "forecast", "call": "A"}, {"scheduler": "vllm", "call": "B"}]
+    assert load_bench_config(None, []).out_dir == "runs/bench/default"
+    assert load_bench_config("configs/bench/cpu-smoke.yaml", []).out_dir == "runs/bench/cpu-smoke"
+    assert load_capacity_config("configs/online/cpu-smoke.yaml", []).out_dir == "runs/online/cpu-smoke"
+    assert load_bench_config(None, ["out_dir=elsewhere"]).out_dir == "elsewhere"
+    for path in sorted((ROOT / "configs/bench").glob("*.yaml")):
+        assert load_bench_config(str(path), []).out_dir.startswith("runs/"), path
+    for path in sorted((ROOT / "configs/online").glob("*.yaml")):
+        assert load_capacity_config(str(path), []).out_dir.startswith("runs/"), path
+
+
+# What a user runs from a shell; every other module under rollout/ is the library they call.
+CLI_MODULES = {"rollout.bench", "rollout.online", "rollout.generate", "rollout.sim.__main__"}
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """Every module `path` (the module named `module`) imports, relative imports resolved, `from a import b`
+    counted as both a and a.b (b may be a module)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_no_library_module_imports_a_command_line_module():
+    found = {}
+    for path in sorted((ROOT / "rollout").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        if module in CLI_MODULES:
+            continue
+        found[module] = imported_modules(path, module)
+        wrong = found[module] & CLI_MODULES
+        assert not wrong, f"{module} imports {sorted(wrong)}: the library must not depend on a command line"
+    assert "rollout.suite" in found["rollout.sim.runs"]  # the walk sees imports at all
+
+
+def test_the_import_walk_sees_every_form_of_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import rollout.bench\nfrom rollout import online\nfrom .. import generate\n"
+                    "def f():\n    from .__main__ import main\n")
+    names = imported_modules(path, "rollout.sim.m")
+    assert {"rollout.bench", "rollout.online", "rollout.generate", "rollout.sim.__main__"} <= names

@@ -38,8 +38,8 @@ def fit_step_time(runs: list[dict], per_kv_token: float | None = None,
         features.append(np.column_stack([np.ones_like(dt), decode, kv, prefill, (prefill > 0) & ~eager, eager]))
         durations.append(dt)
     x, y = np.vstack(features), np.concatenate(durations)
-    # A slow step without prefill is a host hiccup, not a step; slow steps with prefill are what prices prefill
-    # and recomputation (dropping them once made recomputation look 6x cheaper than it is).
+    # A slow step without prefill is a hiccup of the machine, not a step; slow steps with prefill are what
+    # prices prefill and recomputation (dropping them too prices recomputation at about a sixth of its cost).
     keep = ~((y > 10 * np.median(y)) & (x[:, 3] == 0))
     fitted = [k for k in range(6) if not (k == 2 and per_kv_token is not None or k == 5 and not graph_batch)]
     coef = np.zeros(x.shape[1])

@@ -1,4 +1,4 @@
-"""One scheduler over a benchmark profile's iterations in the simulator, as `rollout.bench` runs it on a GPU:
+"""One scheduler over a benchmark profile's iterations in the simulator, as `rollout.suite.run_bench` runs it:
 the same policy object across iterations, the oracle sorted by true length (a group's samples together), and
 for `order=longest_first` the per-prompt length memory that `RolloutEngine` keeps (submission order, length
 scales, the pass prior)."""
@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout.bench import BenchConfig, scheduler_policy
 from rollout.config import PolicyConfig
 from rollout.policy import make_policy
 from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import SiblingOrder, probe_first_order
 from rollout.sim.engine import StepTimeModel, simulate
+from rollout.suite import BenchConfig, scheduler_policy
 from rollout.workloads import ProfileConfig, longest_first, profile_requests
 
-VLLM_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's offline default on H100/H200-class GPUs (untouched vLLM)
-# Requests in vLLM's engine at its first step of a pass: 1-6 in stop 29's GPU runs (8B shape, H200), the rest
-# arrive during that step's prefill.
+VLLM_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's offline default (`LLM`) on a GPU of 70 GiB or more
+# Requests in vLLM's engine at its first step of a pass: its front end hands a pass over during that step, whose
+# prefill the rest arrive in (1-6 requests at the first step on the GPU suite's 8B shape: docs/results.md).
 REQUESTS_AT_FIRST_STEP = 4
 
 
