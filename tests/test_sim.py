@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout.policy import make_policy
+from rollout.policy import PolicyConfig, make_policy
 from rollout.sim import StepTimeModel, fit_step_time, simulate
 from rollout.workloads import ProfileConfig, profile_requests
 
@@ -54,7 +54,7 @@ def test_the_policy_hears_of_every_preemption_and_step():
         def observe_step(self, latency_s, decode_requests, prefill_tokens):
             self.steps.append((latency_s, decode_requests, prefill_tokens))
 
-    policy = Listening(256, 256)
+    policy = Listening(PolicyConfig(name="static", b_max=256))
     result = simulate(workload(), policy, kv_capacity_blocks=300, block_size=16, max_num_seqs=256,
                       token_budget=4096, step_time=MODEL)
     assert policy.preempted == result.preemptions > 0 and policy.recomputed == result.recomputed_tokens
