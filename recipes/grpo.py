@@ -22,7 +22,8 @@ import time
 
 RECIPE = {"iterations": 10, "lr": 1e-4, "trainable_layers": 12, "micro_batch": 16}
 ROLLOUT = [
-    "model.path=smollm2-135m-instruct", "data.source=reasoning_gym:basic_arithmetic", "data.num_prompts=16", "data.seed=7",
+    "model.path=smollm2-135m-instruct",
+    "data.source=reasoning_gym:basic_arithmetic", "data.num_prompts=16", "data.seed=7",
     # Single-digit sums: the 135M model gets ~5% right at the start, enough signal for GRPO to climb.
     "data.dataset_config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, operators: ['+']}",
     "data.system_prompt='Reply with only the final number.'",
