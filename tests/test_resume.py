@@ -165,17 +165,3 @@ def test_interrupt_stops_cleanly_and_resumes(tiny_model, prompt_set, tmp_path):
     assert [r for r in final if r["prompt_id"] == kept[0]["prompt_id"] and
             r["sample_index"] == kept[0]["sample_index"]] == [kept[0]]
 
-
-def test_only_an_engine_a_main_thread_starts_ends_with_its_parent():
-    # Linux signals a process when the parent's *thread* that started it ends: an engine that a trainer starts
-    # from a worker thread must not be ended when that thread returns.
-    import threading
-
-    from rollout.vllm_adapter import SETTINGS_KEY, adapter_settings
-
-    assert adapter_settings({}, "trace", None, None)[SETTINGS_KEY]["end_with_parent"] is True
-    seen = []
-    worker = threading.Thread(target=lambda: seen.append(adapter_settings({}, "trace", None, None)))
-    worker.start()
-    worker.join()
-    assert seen[0][SETTINGS_KEY]["end_with_parent"] is False
