@@ -39,8 +39,23 @@ def model_dir(tmp_path_factory):
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
         "head_dim": 64, "max_position_embeddings": 2048, "torch_dtype": "float32"}))
-    make_scheduler(path, tmp_path_factory.mktemp("warm-up") / "trace.jsonl", {"name": "static", "b_max": 4})
-    return path  # built once: vLLM's first VllmConfig imports its platform's modules (seconds)
+    # Built once here: vLLM's first VllmConfig imports its platform's modules (seconds).
+    make_scheduler(path, tmp_path_factory.mktemp("warm-up") / "trace", {"name": "static", "b_max": 4}).shutdown()
+    return path
+
+
+@pytest.fixture
+def build(model_dir, tmp_path):
+    """make_scheduler with this test's model folder and trace path (tmp_path / "trace.jsonl"); shut down after."""
+    built = []
+
+    def build(policy: dict, **options):
+        built.append(make_scheduler(model_dir, tmp_path / "trace.jsonl", policy, **options))
+        return built[-1]
+
+    yield build
+    for scheduler in built:
+        scheduler.shutdown()
 
 
 def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64, max_num_seqs: int = 8,
@@ -156,10 +171,10 @@ def trace_steps(path) -> list[dict]:
 # vLLM's private hooks
 
 
-def test_the_installed_vllm_has_every_hook_the_adapter_uses(model_dir, tmp_path):
+def test_the_installed_vllm_has_every_hook_the_adapter_uses(build):
     cap = check_scheduler_hooks()
     assert cap == CAP and cap in CAP_ATTRIBUTES
-    scheduler = make_scheduler(model_dir, tmp_path / "trace.jsonl", {"name": "static", "b_max": 8}, num_blocks=20)
+    scheduler = build({"name": "static", "b_max": 8}, num_blocks=20)
     # What the check found in the source is what a built scheduler and request have.
     assert getattr(scheduler, cap) == 8 and scheduler.kv_cache_manager.block_pool.num_gpu_blocks == 20
     assert isinstance(request("r", 4, 2)._output_token_ids, list)
@@ -219,8 +234,8 @@ def clamped(answer, running: int, max_num_seqs: int) -> int:
     return min(max(answer, running, 1), max_num_seqs)
 
 
-def test_the_cap_is_the_policys_answer_clamped_to_the_running_count_and_max_num_seqs(model_dir, tmp_path):
-    scheduler = make_scheduler(model_dir, tmp_path / "trace.jsonl", {"name": "static", "b_max": 64},
+def test_the_cap_is_the_policys_answer_clamped_to_the_running_count_and_max_num_seqs(build, tmp_path):
+    scheduler = build({"name": "static", "b_max": 64},
                                num_blocks=40, max_num_seqs=6)
     answers = iter([0, 1000, -5, 3, 1, 64, 2, 6, 7] * 20)
     spy = spy_on(scheduler, answer=lambda state: next(answers))
@@ -239,9 +254,9 @@ def test_the_cap_is_the_policys_answer_clamped_to_the_running_count_and_max_num_
     {"name": "static", "b_max": 64, "static_cap": 2},
     {"name": "memory", "b_max": 64, "eps_m": 0.05, "min_observations": 2, "update_every": 2},
 ], ids=["static-above", "static-below", "memory"])
-def test_the_cap_stays_within_the_running_count_and_max_num_seqs(model_dir, tmp_path, policy):
+def test_the_cap_stays_within_the_running_count_and_max_num_seqs(build, tmp_path, policy):
     trace_path = tmp_path / "trace.jsonl"
-    scheduler = make_scheduler(model_dir, trace_path, policy, num_blocks=16, max_num_seqs=6)
+    scheduler = build(policy, num_blocks=16, max_num_seqs=6)
     spy = spy_on(scheduler)
     run = Run(scheduler, mixed_requests())
     caps = []
@@ -264,9 +279,9 @@ def test_the_cap_stays_within_the_running_count_and_max_num_seqs(model_dir, tmp_
 
 
 @pytest.mark.parametrize("steady", [0, 3, math.inf])
-def test_the_policy_is_asked_only_where_something_changed_or_its_answer_expired(model_dir, tmp_path, steady):
+def test_the_policy_is_asked_only_where_something_changed_or_its_answer_expired(build, tmp_path, steady):
     trace_path = tmp_path / "trace.jsonl"
-    scheduler = make_scheduler(model_dir, trace_path, {"name": "static", "b_max": 4}, max_num_seqs=4)
+    scheduler = build({"name": "static", "b_max": 4}, max_num_seqs=4)
     spy = spy_on(scheduler, steady=steady)
     run = Run(scheduler, [request(f"r{i}", 20, n) for i, n in enumerate([3, 9, 9, 12, 14, 20])])
     asked_events, asked_step, expected = None, None, []
@@ -289,8 +304,8 @@ def test_the_policy_is_asked_only_where_something_changed_or_its_answer_expired(
 # The waiting queue the policy sees
 
 
-def test_the_policy_sees_the_queues_head_that_fits_the_free_kv_plus_one_request(model_dir, tmp_path):
-    scheduler = make_scheduler(model_dir, tmp_path / "trace.jsonl", {"name": "static", "b_max": 16},
+def test_the_policy_sees_the_queues_head_that_fits_the_free_kv_plus_one_request(build):
+    scheduler = build({"name": "static", "b_max": 16},
                                num_blocks=12, max_num_seqs=16)
     spy = spy_on(scheduler, describe=True, answer=lambda state: state.num_running + 1)  # one admission a step
     run = Run(scheduler, [request(f"r{i}", 30 + i, 4) for i in range(10)])  # prompts of 30..39 tokens
@@ -323,11 +338,11 @@ def test_the_policy_sees_the_queues_head_that_fits_the_free_kv_plus_one_request(
 
 
 @pytest.mark.parametrize("probed", [True, False])
-def test_a_finished_probe_moves_its_groups_waiting_siblings(model_dir, tmp_path, probed):
+def test_a_finished_probe_moves_its_groups_waiting_siblings(build, probed):
     """One request at a time. Probes a0 (short) and b0 (long) go first, their siblings after everything else,
     with c (no group) among them. When a0 finishes short, the samples of group b, whose probe has not finished,
     go ahead of a's; c keeps its place."""
-    scheduler = make_scheduler(model_dir, tmp_path / "trace.jsonl", {"name": "static", "b_max": 1},
+    scheduler = build({"name": "static", "b_max": 1},
                                max_num_seqs=1)
     lengths = {"a": 2, "b": 6, "c": 3}
     groups = {"a": 0, "b": 1}
@@ -347,11 +362,11 @@ def test_a_finished_probe_moves_its_groups_waiting_siblings(model_dir, tmp_path,
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
-def test_a_preempted_requests_computed_tokens_are_counted_as_recomputed(model_dir, tmp_path, overlap):
+def test_a_preempted_requests_computed_tokens_are_counted_as_recomputed(build, tmp_path, overlap):
     """7 usable blocks of 16 tokens for three requests that each grow to 70 tokens (5 blocks): vLLM admits all
     three and preempts as their outputs grow."""
     trace_path = tmp_path / "trace.jsonl"
-    scheduler = make_scheduler(model_dir, trace_path, {"name": "static", "b_max": 8}, num_blocks=8,
+    scheduler = build({"name": "static", "b_max": 8}, num_blocks=8,
                                cls=AsyncDynamicBatchScheduler if overlap else DynamicBatchScheduler)
     spy = spy_on(scheduler)
     requests = [request(f"r{i}", 30, 40) for i in range(3)]
