@@ -4,7 +4,8 @@ The adapter overrides private scheduler methods (`_free_request`, `_preempt_requ
 attributes (`Request._output_token_ids`, the admission cap). vLLM may rename any of them in a release: an
 override of a renamed method is never called, and the adapter would then run on without error, its policy
 blind to finishes or preemptions. `check_scheduler_hooks` turns that into an ImportError that names the
-installed vLLM and what it lacks. Importing this module imports nothing of vLLM.
+installed vLLM and what it lacks; the adapter calls it when it is imported. Importing this module imports
+nothing of vLLM.
 
 Instance attributes cannot be seen on a class; they are found in the source of the `__init__` methods that set
 them (`self.<name> = ...`), which vLLM ships. Where a class's source cannot be read, its instance attributes are
@@ -38,13 +39,17 @@ def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type |
     `kv_cache_manager.usage`). Returns the name of the admission cap attribute this vLLM has (one of
     CAP_ATTRIBUTES). Raises ImportError naming the vLLM version and every missing hook."""
     import vllm
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    if scheduler_cls is None:
-        from vllm.v1.core.sched.scheduler import Scheduler as scheduler_cls
-    if request_cls is None:
-        from vllm.v1.request import Request as request_cls
+    unsupported = f"rollout's scheduler adapter does not support vLLM {getattr(vllm, '__version__', '?')}"
+    try:
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.request import Request
+    except ImportError as exc:
+        raise ImportError(f"{unsupported}: {exc} (tested with {TESTED}; see pyproject.toml)") from exc
+    scheduler_cls = scheduler_cls or Scheduler
+    request_cls = request_cls or Request
 
     missing = [f"Scheduler.{name}()" for name in SCHEDULER_METHODS if not callable(getattr(scheduler_cls, name, None))]
     missing += [f"Scheduler.{name}" for name in SCHEDULER_ATTRIBUTES if not _has_attribute(scheduler_cls, name)]
@@ -57,8 +62,7 @@ def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type |
         missing.append("BlockPool.num_gpu_blocks")
     missing += [f"Request.{name}" for name in REQUEST_ATTRIBUTES if not _has_attribute(request_cls, name)]
     if missing:
-        raise ImportError(f"rollout's scheduler adapter does not support vLLM {getattr(vllm, '__version__', '?')}: "
-                          f"it lacks {', '.join(missing)} (tested with {TESTED}; see pyproject.toml)")
+        raise ImportError(f"{unsupported}: it lacks {', '.join(missing)} (tested with {TESTED}; see pyproject.toml)")
     return cap
 
 
