@@ -96,8 +96,7 @@ def run_until(cmd, out, ready, sig):
             _, alive = psutil.wait_procs(session_processes(proc.pid), timeout=HANG_S)
             left = [p.name() for p in alive]
         finally:
-            # Whatever is left, or a run that outlived the wait (which left it running on both cores through the
-            # tests after it).
+            # Whatever is left, or a run that outlived the wait: it would run on through the tests after it.
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
