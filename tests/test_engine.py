@@ -93,14 +93,18 @@ def test_statistics_persist_across_generate_calls(tight_runs):
     assert [r["completion_tokens"] for r in again.records] == lengths[:8]
 
 
+def cold_prompts():
+    from rollout.data import Prompt
+
+    return [Prompt(prompt_id=f"p{i}", text="", token_ids=list(range(10, 42))) for i in range(96)]
+
+
 def test_the_policy_is_told_the_nominal_max_tokens_not_the_imposed_lengths(tiny_model, tmp_path):
     """Benchmarks impose each request's length through max_tokens; the adapter tells the policy the nominal
     limit instead, or Algorithm 1's cold start (every request as long as the mean max_tokens) knows the lengths."""
-    from rollout.data import Prompt
-
     cfg = tight_config(tiny_model, "memory")
     cfg.policy.min_observations = 10_000  # the cold start throughout
-    prompts = [Prompt(prompt_id=f"p{i}", text="", token_ids=list(range(10, 42))) for i in range(96)]
+    prompts = cold_prompts()
     with RolloutEngine(cfg, tmp_path) as engine:
         told_lengths = engine.generate(prompts, progress=False, max_tokens=[8] * 96)
         told_nominal = engine.generate(prompts, progress=False, max_tokens=[8] * 96, nominal_max_tokens=1000)
@@ -114,33 +118,45 @@ def test_the_policy_is_told_the_nominal_max_tokens_not_the_imposed_lengths(tiny_
     assert told_nominal.summary["generated_tokens"] == 96 * 8  # the imposed lengths still hold
 
 
-def test_the_first_wave_is_sized_for_a_share_of_max_tokens_in_the_engine(tiny_model, tmp_path):
+def first_wave(run) -> int:
+    """The largest cap before any request of the engine's first pass finished."""
+    return max(s["cap"] for s in run.trace if s["stats_count"] == 0)
+
+
+@pytest.fixture(scope="module")
+def forecast_runs(tiny_model, tmp_path_factory):
+    """One forecast engine, three passes: 96 requests of 8 tokens told max_tokens 1,000 (its first pass, from
+    no statistics), then the lognormal workload twice."""
+    cfg = tight_config(tiny_model, "forecast")
+    cfg.policy.forecast_cold_start_horizon = 0.0625
+    prompts, lengths = lognormal_workload(96, seed=1)
+    with RolloutEngine(cfg, tmp_path_factory.mktemp("forecast")) as engine:
+        cold = engine.generate(cold_prompts(), progress=False, max_tokens=[8] * 96, nominal_max_tokens=1000)
+        run = engine.generate(prompts, progress=False, max_tokens=lengths)
+        again = engine.generate(prompts, progress=False, max_tokens=lengths)  # from the statistics of both
+    return {"cold": cold, "run": run, "again": again, "lengths": lengths}
+
+
+def test_the_first_wave_is_sized_for_a_share_of_max_tokens_in_the_engine(tiny_model, tmp_path, forecast_runs):
     """The forecast's cold start: with nothing finished, the first wave holds each request for a fraction of its
     max_tokens (forecast_cold_start_horizon), not for the prior's whole future. Requests reach the engine over
     its first steps, so the wave is whatever the forecasts admit before the first finish."""
-    from rollout.data import Prompt
-
-    prompts = [Prompt(prompt_id=f"p{i}", text="", token_ids=list(range(10, 42))) for i in range(96)]
-    first_wave = {}
-    for horizon in (0.0, 0.0625):
-        cfg = tight_config(tiny_model, "forecast")
-        cfg.policy.forecast_cold_start_horizon = horizon
-        with RolloutEngine(cfg, tmp_path / str(horizon)) as engine:
-            run = engine.generate(prompts, progress=False, max_tokens=[8] * 96, nominal_max_tokens=1000)
-        first_wave[horizon] = max(s["cap"] for s in run.trace if s["stats_count"] == 0)
-        assert run.summary["generated_tokens"] == 96 * 8
+    cfg = tight_config(tiny_model, "forecast")
+    cfg.policy.forecast_cold_start_horizon = 0.0
+    with RolloutEngine(cfg, tmp_path) as engine:
+        whole = engine.generate(cold_prompts(), progress=False, max_tokens=[8] * 96, nominal_max_tokens=1000)
+    share = forecast_runs["cold"]
+    assert whole.summary["generated_tokens"] == share.summary["generated_tokens"] == 96 * 8
     # 24 blocks of 128 tokens: 32 + 1,000 tokens take 9 blocks (two requests, a few with the prior's spread);
     # 32 + 63 tokens and a partly used block ~221 (13 at most, less the margin).
-    assert first_wave[0.0] <= 4 and 3 * first_wave[0.0] <= first_wave[0.0625] <= 13, first_wave
+    waves = first_wave(whole), first_wave(share)
+    assert waves[0] <= 4 and 3 * waves[0] <= waves[1] <= 13, waves
 
 
-def test_the_forecast_is_asked_only_where_something_it_reads_changed(tiny_model, tmp_path):
+def test_the_forecast_is_asked_only_where_something_it_reads_changed(forecast_runs):
     """Most decode steps change nothing the forecast reads (no arrival, admission, finish or preemption): the
     adapter reuses its cap there (`policy_skipped` in the trace) and asks again after any of them."""
-    prompts, lengths = lognormal_workload(96, seed=1)
-    with RolloutEngine(tight_config(tiny_model, "forecast"), tmp_path) as engine:
-        run = engine.generate(prompts, progress=False, max_tokens=lengths)
-        again = engine.generate(prompts, progress=False, max_tokens=lengths)  # a second pass, from saved stats
+    run, again, lengths = forecast_runs["run"], forecast_runs["again"], forecast_runs["lengths"]
     assert run.summary["generated_tokens"] == again.summary["generated_tokens"] == sum(lengths)
     steps = [s for s in run.trace if "step" in s]
     skipped = [k for k in range(1, len(steps)) if steps[k].get("policy_skipped")]

@@ -1,4 +1,4 @@
-"""The library API a trainer uses (issue #5): RolloutBatch from a pass, weight updates into the running engine."""
+"""The library API a trainer uses: RolloutBatch from a pass, weight updates into the running engine."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Data parallel rollouts (issue #5): shares balanced by predicted work, two engines giving one engine's outputs."""
+"""Data parallel rollouts: shares balanced by predicted work, two engines giving one engine's outputs."""
 
 import json
 import subprocess

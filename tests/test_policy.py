@@ -65,6 +65,8 @@ def test_clamp_bounds(b, running, lo, hi):
     assert isinstance(cap, int)
     assert cap <= hi
     assert cap >= min(max(running, lo), hi)
+    if not math.isnan(b) and max(running, lo) <= b <= hi:  # within the bounds: the batch size itself
+        assert cap == math.floor(b)
 
 
 def state(running=10, waiting=50, kv=1000, bs=16, prompt=100.0, max_tokens=400.0):
@@ -146,11 +148,13 @@ def test_cap_always_within_running_and_b_max(observations, steps, name, b_min, b
 
 
 def test_zero_length_requests_do_not_divide_by_zero():
+    # Zero demand, as the cold start's prompt and max_tokens or as measured: only b_max limits the batch.
     policy = MemoryPolicy(eps_m=0.05, max_cap=64, min_observations=0)
     assert policy.batch_cap(state(running=3, prompt=0.0, max_tokens=0.0)) == 64
     for _ in range(10):
         policy.observe_finished(0, 0)
-    assert 3 <= policy.batch_cap(state(running=3)) <= 64
+    assert policy.batch_cap(state(running=3)) == 64
+    assert policy.mean_demand_blocks == 0
 
 
 def test_static_policy_caps_at_its_value():
@@ -196,7 +200,10 @@ def test_kv_cache_smaller_than_one_request():
 
 
 def test_single_request_and_empty_statistics():
-    policy = CLTPolicy(eps_m=0.05, max_cap=64, min_observations=0)
-    assert 1 <= policy.batch_cap(state(running=0, waiting=1)) <= 64
+    policy = CLTPolicy(eps_m=0.05, max_cap=4096, min_observations=0)
+    mean, var = policy.stats.demand_blocks(16)  # what empty statistics give
+    expected = math.floor(clt_batch_bound(1000, mean, math.sqrt(var), policy.theta))
+    assert policy.batch_cap(state(running=0, waiting=1)) == expected
     policy.observe_finished(7, 0)
-    assert 1 <= policy.batch_cap(state(running=1, waiting=1)) <= 64
+    # One finished request of one block, no spread: the cache holds 1,000 of them.
+    assert policy.batch_cap(state(running=1, waiting=1)) == 1000

@@ -1,4 +1,4 @@
-"""Prefix sharing (issue #4): the n samples of a prompt share its full prompt blocks through vLLM's prefix cache;
+"""Prefix sharing: the n samples of a prompt share its full prompt blocks through vLLM's prefix cache;
 the policies count them once, the simulator models them, and the adapter reports them from real requests."""
 
 import numpy as np
@@ -80,8 +80,7 @@ def test_the_simulator_stores_and_computes_a_groups_prompt_once():
 @pytest.mark.parametrize("name", ["oracle", "forecast"])
 def test_policies_that_count_shared_prompts_fill_the_cache_without_preempting(name):
     requests = grpo_requests(groups=24)
-    # max_tokens 1,000, the cap the lengths are drawn under (told each its own length, the forecast's first wave,
-    # sized for 1/16 of it, would preempt 11% of these short outputs' tokens)
+    # The policies are told max_tokens 1,000, the cap the lengths are drawn under, not each request's length.
     kwargs = dict(kv_capacity_blocks=600, block_size=16, max_num_seqs=256, token_budget=4096, step_time=MODEL,
                   nominal_max_tokens=1000)
     result = simulate(requests, make_policy({"name": name, "b_max": 256, "eps_m": 0.05}), keep_trace=True, **kwargs)
@@ -127,7 +126,7 @@ def test_the_adapter_reports_prompt_blocks_shared_by_a_groups_samples(tiny_model
 def test_the_forecast_admits_a_whole_group_while_other_groups_run(tiny_model, tmp_path):
     """The queue the adapter describes counts a running group's prompt blocks once. Counted per sample, two
     running groups of 6-block prompts already 'filled' this 64-block cache, the policy saw one waiting
-    request a step and admitted one sample a step (on an H100: a prefill step each, 2.5x a decode step)."""
+    request a step and admitted one sample a step, each admission a prefill step of its own."""
     from omegaconf import OmegaConf
 
     from rollout.config import RunConfig, validate

