@@ -37,6 +37,11 @@ from rollout.policy import FallbackPolicy, LengthStats, PolicyConfig, StepState,
 from rollout.policy.probes import SiblingOrder, reorder_siblings
 from rollout.policy.step import GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, shared_prompt_blocks
 from rollout.trace import StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
+from rollout.vllm_compat import check_scheduler_hooks
+
+# The private names overridden or read here, checked once against the installed vLLM (a renamed hook would silently
+# stop being called): an ImportError names the version. The admission cap's attribute differs between versions.
+CAP_ATTR = check_scheduler_hooks()
 
 SETTINGS_KEY = "rollout"
 _request_id = attrgetter("request_id")
@@ -202,7 +207,7 @@ class _DynamicBatchMixin:
         self.graph_batch = graph_batch(self.vllm_config)
         self.batch_policy = FallbackPolicy(make_policy(config, stats, self.graph_batch),
                                            min(config.static_cap or self.max_cap, self.max_cap))
-        self._cap_attr = "max_num_active_reqs" if hasattr(self, "max_num_active_reqs") else "max_num_running_reqs"
+        self._cap_attr = CAP_ATTR
         self.kv_capacity_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
         self.stats_out = settings.get("stats_out")
         self.trace = TraceWriter(settings["trace_path"])

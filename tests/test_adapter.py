@@ -250,7 +250,7 @@ def test_the_cap_is_the_policys_answer_clamped_to_the_running_count_and_max_num_
 
 
 @pytest.mark.parametrize("policy", [
-    {"name": "static", "b_max": 64, "static_cap": 100},  # the policy's own limit is above vLLM's max_num_seqs
+    {"name": "static", "b_max": 128, "static_cap": 100},  # the policy's own limit is above vLLM's max_num_seqs
     {"name": "static", "b_max": 64, "static_cap": 2},
     {"name": "memory", "b_max": 64, "eps_m": 0.05, "min_observations": 2, "update_every": 2},
 ], ids=["static-above", "static-below", "memory"])
@@ -267,7 +267,7 @@ def test_the_cap_stays_within_the_running_count_and_max_num_seqs(build, tmp_path
     assert [s["cap"] for s in trace_steps(trace_path)] == caps
     answers = [answer for _, answer in spy.asks]
     if policy.get("static_cap") == 100:
-        assert set(answers) == {64} and set(caps) == {6}
+        assert set(answers) == {100} and set(caps) == {6}
     elif policy.get("static_cap") == 2:
         assert set(caps) == {2}
     else:  # 15 blocks for requests of 2-3 blocks each: the memory policy answers on both sides of 6

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from rollout.policy import (CLTPolicy, FallbackPolicy, LengthStats, MemoryPolicy, StaticPolicy, StepState, clamp_cap,
-                            clt_batch_bound, make_policy, memory_batch_size, overflow_quantile, safety_buffer)
+from rollout.policy import (CLTPolicy, FallbackPolicy, LengthStats, MemoryPolicy, PolicyConfig, StaticPolicy, StepState,
+                            clamp_cap, clt_batch_bound, make_policy, memory_batch_size, overflow_quantile, safety_buffer)
 
 capacity = st.floats(min_value=1.0, max_value=1e6)
 mean = st.floats(min_value=0.05, max_value=5e3)
@@ -75,14 +75,14 @@ def state(running=10, waiting=50, kv=1000, bs=16, prompt=100.0, max_tokens=400.0
 
 
 def test_cold_start_uses_prompt_plus_max_tokens():
-    policy = MemoryPolicy(eps_m=0.05, max_cap=512, min_observations=8)
+    policy = MemoryPolicy(PolicyConfig(name="memory", eps_m=0.05, b_max=512, min_observations=8))
     # 100 + 400 tokens = 32 blocks of 16 tokens; no spread known yet, so no buffer.
     assert policy.batch_cap(state(running=1)) == 1000 // 32
     assert policy.safety_buffer_blocks == 0.0
 
 
 def test_cap_kept_when_nothing_waits_or_nothing_runs():
-    policy = MemoryPolicy(eps_m=0.05, max_cap=512)
+    policy = MemoryPolicy(PolicyConfig(name="memory", eps_m=0.05, b_max=512))
     assert policy.batch_cap(state(running=0, waiting=0)) == 512  # nothing to size yet
     first = policy.batch_cap(state(running=0))  # b_0: the first wave is sized from the cold-start demand
     assert first == 1000 // 32
@@ -92,7 +92,7 @@ def test_cap_kept_when_nothing_waits_or_nothing_runs():
 
 
 def test_a_new_pass_sizes_its_first_wave_afresh():
-    policy = MemoryPolicy(eps_m=0.05, max_cap=512)
+    policy = MemoryPolicy(PolicyConfig(name="memory", eps_m=0.05, b_max=512))
     assert policy.batch_cap(state(running=0)) == 1000 // 32
     # Within a pass nothing running keeps b_{t-1}; a new pass (longer max_tokens here) sizes b_0 again.
     longer = state(running=0, max_tokens=1500.0)  # 100 + 1,500 tokens: 100 blocks
@@ -103,7 +103,8 @@ def test_a_new_pass_sizes_its_first_wave_afresh():
 
 def test_buffer_refreshed_every_k_finished_requests():
     stats = LengthStats()
-    policy = MemoryPolicy(eps_m=0.05, max_cap=4096, update_every=4, min_observations=2, stats=stats)
+    policy = MemoryPolicy(PolicyConfig(name="memory", eps_m=0.05, b_max=4096, update_every=4, min_observations=2),
+                          stats)
     for length in (100, 300):
         policy.observe_finished(50, length)
     policy.batch_cap(state(kv=4000))
@@ -124,7 +125,7 @@ def test_clt_policy_recomputes_every_step():
     stats = LengthStats()
     for length in range(50, 2000, 37):
         stats.observe(40, length)
-    policy = CLTPolicy(eps_m=0.01, max_cap=4096, stats=stats)
+    policy = CLTPolicy(PolicyConfig(name="memory-clt", eps_m=0.01, b_max=4096), stats)
     mean, var = stats.demand_blocks(16)
     expected = math.floor(clt_batch_bound(3000, mean, math.sqrt(var), overflow_quantile(0.01)))
     assert policy.batch_cap(state(running=2, kv=3000)) == expected
@@ -149,7 +150,7 @@ def test_cap_always_within_running_and_b_max(observations, steps, name, b_min, b
 
 def test_zero_length_requests_do_not_divide_by_zero():
     # Zero demand, as the cold start's prompt and max_tokens or as measured: only b_max limits the batch.
-    policy = MemoryPolicy(eps_m=0.05, max_cap=64, min_observations=0)
+    policy = MemoryPolicy(PolicyConfig(name="memory", eps_m=0.05, b_max=64, min_observations=0))
     assert policy.batch_cap(state(running=3, prompt=0.0, max_tokens=0.0)) == 64
     for _ in range(10):
         policy.observe_finished(0, 0)
@@ -158,7 +159,7 @@ def test_zero_length_requests_do_not_divide_by_zero():
 
 
 def test_static_policy_caps_at_its_value():
-    policy = StaticPolicy(cap=32, max_cap=256)
+    policy = StaticPolicy(PolicyConfig(name="static", static_cap=32, b_max=256))
     assert policy.batch_cap(state(running=10)) == 32
     assert policy.batch_cap(state(running=40)) == 40  # never below the running count
 
@@ -178,7 +179,7 @@ class BrokenPolicy(MemoryPolicy):
 
 
 def test_policy_failure_falls_back_to_static_cap_with_a_warning(caplog):
-    guarded = FallbackPolicy(BrokenPolicy(eps_m=0.05, max_cap=128), fallback_cap=96)
+    guarded = FallbackPolicy(BrokenPolicy(PolicyConfig(name="memory", eps_m=0.05, b_max=128)), fallback_cap=96)
     assert guarded.batch_cap(state(running=1)) == 1000 // 32
     for length in (10, 20, 30):
         guarded.observe_finished(5, length)
@@ -193,14 +194,14 @@ def test_policy_failure_falls_back_to_static_cap_with_a_warning(caplog):
 
 
 def test_kv_cache_smaller_than_one_request():
-    policy = MemoryPolicy(eps_m=0.05, max_cap=64, min_observations=1)
+    policy = MemoryPolicy(PolicyConfig(name="memory", eps_m=0.05, b_max=64, min_observations=1))
     policy.observe_finished(4000, 4000)
     assert policy.batch_cap(state(running=0, kv=3)) == 1  # b_min: one request may still run
     assert policy.batch_cap(state(running=1, kv=3)) == 1
 
 
 def test_single_request_and_empty_statistics():
-    policy = CLTPolicy(eps_m=0.05, max_cap=4096, min_observations=0)
+    policy = CLTPolicy(PolicyConfig(name="memory-clt", eps_m=0.05, b_max=4096, min_observations=0))
     mean, var = policy.stats.demand_blocks(16)  # what empty statistics give
     expected = math.floor(clt_batch_bound(1000, mean, math.sqrt(var), policy.theta))
     assert policy.batch_cap(state(running=0, waiting=1)) == expected
