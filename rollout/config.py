@@ -137,6 +137,10 @@ class OutputConfig:
     force: bool = field(default=False, metadata={"help": (
         "Resume a partial run even though its settings or prompts changed.")})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+    trace_timing: bool = field(default=False, metadata={"help": (
+        "Also time, in the trace, the policy's and the finishes' CPU time and the adapter's own time a step "
+        "(policy_cpu_us, describe_cpu_us, finish_cpu_us, adapter_us): what the benchmarks report as the policy's "
+        "cost. Off, the trace keeps each step's latency and the policy's wall time.")})
     vllm_log_level: str = field(default="WARNING", metadata={"help": (
         "The level of vLLM's own log lines, CRITICAL to DEBUG. WARNING keeps the console to the progress bar and "
         "what goes wrong; INFO brings back the engine's start-up and every-10-seconds lines. VLLM_LOGGING_LEVEL, "

@@ -133,7 +133,8 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
         kwargs.update(max_num_seqs=p.b_max, scheduler_cls=scheduler_class_path(async_scheduling),
                       additional_config=adapter_settings(asdict(p), str(trace_path),
                                                          str(stats_in) if stats_in else None,
-                                                         str(stats_out), stats_options))
+                                                         str(stats_out), stats_options,
+                                                         timing=cfg.output.trace_timing))
     for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)

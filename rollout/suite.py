@@ -175,7 +175,8 @@ def bench_run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str,
             model_cfg[key] = getattr(profile, key)
     policy = scheduler_policy(bench, scheduler)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
-        "model": model_cfg, "data": {"source": "synthetic"}, "policy": policy, "output": {"stats_in": None},
+        "model": model_cfg, "data": {"source": "synthetic"}, "policy": policy,
+        "output": {"stats_in": None, "trace_timing": True},
         "sampling": {"n": 1, "ignore_eos": True, "temperature": 1.0, "seed": bench.seed}}))
     validate(cfg)
     return cfg
@@ -418,7 +419,8 @@ def capacity_run_config(capacity: CapacityConfig, scheduler: str, model: str) ->
         if getattr(capacity, key) is not None:
             model_cfg[key] = getattr(capacity, key)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
-        "model": model_cfg, "data": {"source": "synthetic"}, "policy": policy, "output": {"stats_in": None},
+        "model": model_cfg, "data": {"source": "synthetic"}, "policy": policy,
+        "output": {"stats_in": None, "trace_timing": True},
         "sampling": {"n": 1, "ignore_eos": True, "seed": capacity.seed}}))
     validate(cfg)
     return cfg

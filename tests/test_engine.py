@@ -22,7 +22,7 @@ def tight_config(model, policy: str) -> RunConfig:
         "data": {"source": "synthetic"},
         "sampling": {"n": 1, "ignore_eos": True},
         "policy": {"name": policy, "b_max": B_MAX, "eps_m": 0.05},
-        "output": {"stats_in": None},
+        "output": {"stats_in": None, "trace_timing": True},
     }))
     validate(cfg)
     return cfg
