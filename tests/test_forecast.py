@@ -712,8 +712,8 @@ def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():
 
 
 def test_survival_never_exceeds_one_where_interpolation_rounds_up():
-    # (above + (now - above) * 1) / now rounds to 1.0000000000000002 for these two: a survival over 1 made a
-    # demand's variance negative, its sd NaN, and no admission ever fitted (a pass stalled at one request).
+    # (above + (now - above) * 1) / now rounds to 1.0000000000000002 for these two: a survival over 1 makes a
+    # demand's variance negative, its sd NaN, and no admission ever fits (a pass stalls at one request).
     now, above = 0.004998958136876471, 0.0010628500471110392
     reach = np.array([1.0, now, above, 0.0])
     ahead = np.array([[0.0, 0.5, 1.0]])  # fractional bins ahead (scaled requests) take the interpolation

@@ -134,7 +134,7 @@ def test_the_graph_batch_is_read_from_vllms_compilation_config():
 
 def test_once_held_at_the_graph_it_stays_there_as_steps_slow():
     # Later graph steps are slower (longer contexts) than the eager steps read before: read against those, the
-    # larger batch would look the faster, which on the GPU turned the answer back and forth.
+    # larger batch would look the faster, and the answer would turn back and forth.
     cap = GraphCap(G, B)
     graph_steps(cap)
     for _ in range(8):

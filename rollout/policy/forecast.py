@@ -62,8 +62,7 @@ def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.nd
     """Maximum-likelihood mean and sd of a normal from weighted observations and weighted right-censored ones
     (known only to exceed their value). What scipy.stats.norm.fit does with CensoredData, over distinct values
     with weights. Newton's method in (mean / sd, 1 / sd), where the log-likelihood is concave (Olsen, 1978):
-    4-7 steps, ~0.4 ms against Nelder-Mead's ~2 ms over 300 random fits (kv-bound's refits were a fifth of its
-    forecasts' time).
+    4-7 steps, several times faster than Nelder-Mead's simplex, which remains for where Newton finds no maximum.
     `standard_errors`: also those of the mean and of log(sd), from the likelihood's curvature at its maximum
     (0 where it is flat)."""
     values, weights = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
@@ -95,7 +94,7 @@ def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.nd
         params, terms = trial, trial_terms
         if moved < 1e-10:
             break
-    else:  # not converged (a flat likelihood): the simplex, as before
+    else:  # not converged (a flat likelihood): the simplex
         return _nelder_mead_fit(values, weights, censored, censored_weights, standard_errors)
     scaled_mean, inverse_sd = params
     mean, sd = float(scaled_mean / inverse_sd), float(1.0 / inverse_sd)
@@ -256,11 +255,10 @@ class CensoredLengths:
             censored, times = np.unique(np.log(np.maximum(generated, 1)), return_counts=True)
             log_mean, log_sd, se_mean, se_log_sd = censored_normal_fit(
                 np.log(centers[counts > 0]), counts[counts > 0], censored, times, standard_errors=True)
-            # Toward longer lengths by `tail_confidence` standard errors: the first finishes are few and short,
-            # and a fit to them that came out low (long-cot, simulator: 1,504 tokens for a true mean of 2,035
-            # after 32) admitted a wave that preempted 2-4% of the tokens later on.
-            # Bounded (lengths e times longer, a spread twice as wide) where a flat likelihood (a handful of
-            # finishes) has no useful curvature.
+            # Toward longer lengths by `tail_confidence` standard errors (more where a pass's grouped samples say
+            # less than their count, `design_effect`): the first finishes are few and short, and a fit to them
+            # that comes out low admits a wave that is preempted later on. Bounded (lengths e times longer, a
+            # spread twice as wide) where a flat likelihood (a handful of finishes) has no useful curvature.
             k = self.tail_confidence * np.sqrt(self.design_effect)
             log_mean, log_sd = log_mean + min(k * se_mean, 1.0), log_sd * np.exp(min(k * se_log_sd, np.log(2.0)))
             self._tail_fit = (self.count, log_mean, max(log_sd, 1e-3))
@@ -329,11 +327,11 @@ class SiblingLengths:
     offset is its posterior mode given its finished samples (exact) and its running ones (censored: longer than
     what they generated so far, so the first, short finishers do not pull the group down alone). mu and the
     total spread come from a censored fit over the pass; the within-group spread from the previous pass's
-    groups (complete by then), or half the total in a first pass (the simulator's grpo-groups, whose groups
-    hold 16% of the spread, preempted 1.6% of its tokens with the true share in its first pass)."""
+    groups (complete by then), or half the total in a first pass: a pass's first finishers are its short ones,
+    and the true (smaller) share narrows their groups too far (docs/results.md)."""
 
-    # Finished samples (any group) before offsets are estimated: with 16 or 32, a pass's first fit (short
-    # finishers, many censored) over-narrowed, and 48-group passes in the simulator recomputed 2-6% of tokens.
+    # Finished samples (any group) before offsets are estimated: a pass's first fit (short finishers, many
+    # censored) over-narrows with fewer.
     MIN_FINISHED = 64
     NEWTON_STEPS = 6
 
@@ -366,7 +364,7 @@ class SiblingLengths:
             grow = max(group + 1, 2 * len(self.count)) - len(self.count)
             self.count, self.total, self.sum_squares = (np.pad(a, (0, grow)) for a in
                                                         (self.count, self.total, self.sum_squares))
-        x = math.log(max(output_tokens, 1.0) / scale)  # numpy's log of one float costs ~10x math's
+        x = math.log(max(output_tokens, 1.0) / scale)  # math's log: numpy's call on one float costs far more
         self.count[group] += 1
         self.total[group] += x
         self.sum_squares[group] += x * x
@@ -385,10 +383,9 @@ class SiblingLengths:
         known = in_range.copy()
         known[in_range] = self.count[groups[in_range]] > 0
         # A waiting request whose siblings all still run learns from them alone: longer than their output so
-        # far. First-pass probes put such requests first (their groups are the long ones); read as the pass's
-        # average, their admission preempted up to 1.3% of tokens on an H200.
-        # Only moved up, not narrowed: a censored look at a group is no measure of its spread (narrowed, the
-        # simulator's grpo-groups preempted 1.7% of its tokens on one seed of four).
+        # far. First-pass probes put such requests first (their groups are the long ones), and read as the
+        # pass's average they are admitted into a cache they overrun.
+        # Only moved up, not narrowed: a censored look at a group is no measure of its spread.
         only_running = np.zeros(len(groups), dtype=bool)
         only_running[running:] = in_range[running:] & ~known[running:] & np.isin(
             groups[running:], groups[:running][in_range[:running]])
@@ -424,11 +421,10 @@ class SiblingLengths:
         row_offset[known], row_spread[known] = offset[index], spread[index]
         row_spread[only_running] = 1.0
         # Once a group's samples finished, its others vary together only by what is still unknown of the group:
-        # the offset's posterior variance against the samples' own. Taken as 1 (all move together) they held
-        # the cache 5-20% emptier than the oracle's in grpo-groups' first pass. Only in a fresh pass: in later
-        # ones (lengths carried, per-prompt predictions) it recomputed up to 4.8% of grpo-groups' second pass
-        # and 2.5% of small passes (simulator): there the pass's requests share an error (a mean that moved, as
-        # RL's lengths drift) which the full correlation covered and this model leaves out.
+        # the offset's posterior variance against the samples' own (taken as 1, all moving together, the cache
+        # stays emptier than the oracle's). Only in a fresh pass: in later ones (lengths carried, per-prompt
+        # predictions) the pass's requests share an error (a mean that moved, as RL's lengths drift) which the
+        # full correlation covers and this model leaves out, and admissions are preempted (docs/results.md).
         row_correlation = None
         if self.fresh:
             posterior = -1.0 / hess
@@ -479,9 +475,8 @@ def _alive(bins: np.ndarray, reach: np.ndarray, ahead: np.ndarray) -> np.ndarray
         alive = np.zeros(later.shape)
         alive[:, 0] = 1.0
         np.divide(later, now, out=alive, where=now > 0)
-    # At most 1: interpolated at zero bins ahead, `later` can round a hair above `now`, and a survival over 1 made
-    # a demand's variance negative, its sd NaN and every admission fail (simulator, grpo-groups seed 3: one
-    # request at a time for 280,000 steps).
+    # At most 1: interpolated at zero bins ahead, `later` can round a hair above `now`, and a survival over 1
+    # makes a demand's variance negative, its sd NaN and every admission fail (one request at a time).
     return np.minimum(alive, 1.0, out=alive)
 
 
@@ -819,7 +814,8 @@ class Forecast:
 
 @dataclass
 class Since:
-    """What happened since the last forecast; a forecast starts a new one. Only counts grow here."""
+    """What happened since the last forecast: counts that only grow and flags that only turn on, until the next
+    forecast starts a new one."""
 
     finished: int = 0
     freed_tokens: float = 0.0  # what the finished held (at most: a group's shared prompt stays while others run)
@@ -838,7 +834,7 @@ class ForecastPolicy(MemoryPolicy):
     behaves as Algorithm 1 (`"memory"`); with the prior, until the pass's first finish it looks only
     `cold_start_horizon` x max_tokens ahead (the first wave).
 
-    A forecast admitted nothing is not repeated until something changed: finishes that free what its first
+    A forecast that admitted nothing is not repeated until something changed: finishes that free what its first
     waiting request lacked (`Forecast.overshoot`), a preemption, a new pass, or, before STABLE_COUNT finishes,
     enough finishes to move the estimate (ESTIMATE_MOVE). Most steps of a KV-bound pass admit nothing, and a
     forecast reads every running request."""
