@@ -886,6 +886,11 @@ class ForecastPolicy(MemoryPolicy):
         # decides (the cold start with cold_start="memory", or nothing waiting).
         self.forecasting = False
 
+    @property
+    def margin_feedback(self) -> bool:
+        """Whether preemption feedback scales the margin (`MarginFeedback`)."""
+        return self.margin is not None
+
     def _current(self) -> Forecast | None:
         """This pass's last forecast (None before its first)."""
         return None if self.since.new_pass else self.last
