@@ -166,7 +166,7 @@ class CensoredLengths:
         self.tail = tail
         self.tail_confidence = tail_confidence
         # Finished requests per length bin (weights: earlier passes count less): a list (`add_to_bin`), read
-        # whole as an array (`finished`).
+        # whole as an array (`finished`). `count` is their total weight, `longest_bin` the last bin observed.
         self._finished = [0.0] * 64
         self.count = 0.0
         self.longest_bin = 0
@@ -243,6 +243,7 @@ class CensoredLengths:
         blend.count = self.count + weight
         blend.longest_bin = max(self.longest_bin, len(mass) - 1)
         return blend
+
     def _lognormal(self, generated: np.ndarray) -> tuple[float, float]:
         """Log-mean and log-sd of a lognormal fitted (censored maximum likelihood) to the finished lengths and
         the running requests' output so far; refitted each time the finished count doubles."""
