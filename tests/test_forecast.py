@@ -692,7 +692,8 @@ def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():
     policy = ForecastPolicy(0.05, 1024, min_observations=2, forecast_after=2)
     for _ in range(50):
         policy.observe_finished(16, 200)
-    first = StepState(num_running=0, num_waiting=2000, kv_capacity_blocks=100_000, block_size=16, kv_free_blocks=100_000)
+    first = StepState(num_running=0, num_waiting=2000, kv_capacity_blocks=100_000, block_size=16,
+                      kv_free_blocks=100_000)
     first.running_tokens = first.running_generated = first.running_rows = np.zeros(0, dtype=np.int64)
     first.waiting_tokens, first.waiting_generated = np.full(1024, 16), np.zeros(1024, dtype=np.int64)
     first.waiting_rows = np.arange(1024)

@@ -10,9 +10,9 @@ A step's time is taken as a line in its batch, fitted (least squares) to the rec
 and, apart, above it once they span enough batch sizes; the eager line is read at `max_cap`. From the probe
 alone, an eager step of `max_cap` requests is taken as the longer of the probe's step (the host launching
 kernels one by one, which the GPU's work overlaps: an eager step just past the graph takes about as long as
-one of twice its batch) and the graph's line read at `max_cap`, all of the graph's step counted per request while its steps span too few
-batch sizes for a line. The cap is held at the graph's batch, for good, when it makes `GRAPH_GAIN` times the
-tokens a second of `max_cap` requests.
+one of twice its batch) and the graph's line read at `max_cap`, all of the graph's step counted per request
+while its steps span too few batch sizes for a line. The cap is held at the graph's batch, for good, when it
+makes `GRAPH_GAIN` times the tokens a second of `max_cap` requests.
 """
 
 from __future__ import annotations
