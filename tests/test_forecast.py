@@ -1,6 +1,7 @@
-"""Length-aware admission from censored length estimates (issue #4), without an engine, and in the simulator."""
+"""Length-aware admission from censored length estimates, without an engine, and in the simulator."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -11,6 +12,26 @@ from rollout.policy.forecast import CensoredLengths, ForecastPolicy, expected_de
 from rollout.policy.oracle import oracle_admissions
 
 
+def view(running_tokens, running_generated, waiting_tokens, waiting_generated=None, *, blocks: int,
+         block_size: int = 16, **arrays) -> StepState:
+    """The step view of these running and waiting requests (the waiting have generated nothing unless told) and a
+    cache of `blocks` blocks; `arrays`: the other per-request arrays (scale, group, shared) and max_tokens_bound."""
+    running_tokens, waiting_tokens = np.asarray(running_tokens), np.asarray(waiting_tokens)
+    if waiting_generated is None:
+        waiting_generated = np.zeros(len(waiting_tokens), dtype=np.int64)
+    return StepState(num_running=len(running_tokens), num_waiting=len(waiting_tokens), kv_capacity_blocks=blocks,
+                     block_size=block_size, running_tokens=running_tokens,
+                     running_generated=np.asarray(running_generated), waiting_tokens=waiting_tokens,
+                     waiting_generated=np.asarray(waiting_generated), **arrays)
+
+
+def admits(*args, theta: float, **kwargs) -> int:
+    """Waiting requests `expected_demand_admissions` admits from `view(*args)` and an estimate `lengths`."""
+    lengths = kwargs.pop("lengths")
+    options = {k: kwargs.pop(k) for k in ("informed", "horizon_tokens", "pointwise_running_peak") if k in kwargs}
+    return expected_demand_admissions(view(*args, **kwargs), lengths, theta, **options).count
+
+
 def test_without_censoring_the_estimate_is_the_empirical_distribution():
     lengths = CensoredLengths(bin_tokens=16)
     rng = np.random.default_rng(0)
@@ -19,10 +40,9 @@ def test_without_censoring_the_estimate_is_the_empirical_distribution():
         lengths.observe(int(n))
     remaining, var = lengths.conditional(np.array([0, 200]))
     assert remaining[0] == pytest.approx(sample.mean(), abs=8)  # within half a bin
-    tail = sample[sample >= 208]  # bin of 200 starts at 192; conditional mean of what lies past it
+    # The bin of 200 starts at 192: the conditional mean of what lies past it.
     assert remaining[1] == pytest.approx(sample[sample >= 192].mean() - 200, abs=8)
     assert var[0] == pytest.approx(sample.var(), rel=0.05)
-    assert len(tail) > 0
 
 
 def test_running_requests_correct_the_early_short_bias():
@@ -46,6 +66,7 @@ def test_survival_rows_are_probabilities_that_only_fall():
     assert np.all(alive[:, 0] == 1.0)
     assert np.all((alive >= 0) & (alive <= 1))
     assert np.all(np.diff(alive, axis=1) <= 1e-12)
+    assert np.all(alive[:, -1] < 1)  # 80 bins (1,280 tokens) on, some of every row has ended
 
 
 def test_known_lengths_give_the_oracles_admissions():
@@ -61,11 +82,11 @@ def test_known_lengths_give_the_oracles_admissions():
         running_generated = rng.integers(0, 160, 20)
         running_tokens = 100 + running_generated
         waiting_tokens = np.full(40, 100)
-        capacity = float(rng.integers(6000, 20000))
+        blocks = int(rng.integers(375, 1250))
+        capacity = 16 * blocks
         expected = oracle_admissions(running_tokens, 160 - running_generated, waiting_tokens, np.full(40, 160),
                                      capacity, 16)
-        got = expected_demand_admissions(running_tokens, running_generated, waiting_tokens, np.zeros(40, int),
-                                         lengths, capacity, 16, theta=0.0)
+        got = admits(running_tokens, running_generated, waiting_tokens, blocks=blocks, lengths=lengths, theta=0.0)
         # Bins of 16 tokens make it more careful by at most one bin per request, never bolder.
         careful = oracle_admissions(running_tokens, 160 - running_generated, waiting_tokens, np.full(40, 160),
                                     capacity - 16 * (20 + 40), 16)
@@ -77,12 +98,12 @@ def test_spread_and_less_memory_admit_fewer():
     rng = np.random.default_rng(4)
     for n in rng.lognormal(5, 0.8, 200).astype(int):
         lengths.observe(int(n))
-    args = (np.full(30, 300), np.full(30, 150), np.full(200, 100), np.zeros(200, int), lengths)
-    admitted = [expected_demand_admissions(*args, capacity, 16, theta) for capacity in (30000, 60000)
-                for theta in (0.0, 1.645)]
-    assert admitted[1] <= admitted[0] and admitted[3] <= admitted[2]
-    assert admitted[0] < admitted[2]
-    assert expected_demand_admissions(*args, 100.0, 16, 0.0) == 0  # the running ones alone overflow
+    args = (np.full(30, 300), np.full(30, 150), np.full(200, 100))
+    counts = [admits(*args, blocks=blocks, lengths=lengths, theta=theta) for blocks in (1875, 3750)
+              for theta in (0.0, 1.645)]
+    assert counts[1] < counts[0] and counts[3] <= counts[2]
+    assert counts[0] < counts[2]
+    assert admits(*args, blocks=6, lengths=lengths, theta=0.0) == 0  # the running ones alone overflow
 
 
 def cold_state() -> StepState:
@@ -118,24 +139,30 @@ def test_memory_cold_start_stays_algorithm_1_until_a_share_of_the_running_have_f
                       running_generated=np.full(200, 50), waiting_generated=np.zeros(300, int))
     for k in range(20):  # 10% of 200
         assert forecast.batch_cap(state) == algorithm_1.batch_cap(state), k
-        assert forecast.margin_blocks is None, k  # no forecast ran
+        assert forecast.last is None and not forecast.wants_requests(state), k  # no forecast ran
         for policy in (forecast, algorithm_1):
             policy.observe_finished(100, 40)
     forecast.batch_cap(state)
-    assert forecast.margin_blocks is not None
+    assert forecast.last is not None
 
 
 def test_gamma_cold_start_forecasts_with_a_prior_of_the_max_tokens_mean():
     # The prior over the whole future (no first-wave horizon, see the next test)
-    policy = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0})
-    state = cold_state()
+    def policy_of(shape: float) -> ForecastPolicy:
+        return make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0,
+                            "forecast_cold_start_shape": shape})
+
+    policy, state = policy_of(3.0), cold_state()
     prior = policy._estimate(state)
     mean, _ = prior.conditional(np.array([0]))
     assert mean[0] == pytest.approx(1500, abs=16)  # nothing finished: the prior's mean, within a bin
     # Requests finish at different times: the expected peak is below the sum of their demands (Algorithm 1's
-    # 10 = 16,000 / 1,600), and no more than an exponential's (a memoryless tail) would let in.
+    # 16,000 / 1,600), and a more concentrated prior (a larger shape) lets in no more than an exponential's
+    # (shape 1, a memoryless tail).
+    algorithm_1 = make_policy({"name": "memory", "b_max": 256, "eps_m": 0.05}).batch_cap(state)
     cap = policy.batch_cap(state)
-    assert 10 < cap <= 27
+    assert algorithm_1 < cap <= policy_of(1.0).batch_cap(state)
+    assert policy_of(100.0).batch_cap(state) <= cap
     for n in range(40):  # the prior leaves once forecast_after lengths are in
         policy.observe_finished(100, 100)
     assert policy._estimate(state) is policy.lengths
@@ -146,8 +173,8 @@ def test_the_first_wave_holds_each_request_for_a_share_of_max_tokens():
     horizon = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05})  # the default: 0.08 of max_tokens
     whole = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0})
     wave = horizon.batch_cap(cold_state())
-    # 16,000 tokens, each request 100 + 120 tokens and a partly used block: 68 at most, less the margin.
-    assert 3 * whole.batch_cap(cold_state()) < wave <= 68
+    # 16,000 tokens, each request 100 + 0.08 x 1,500 tokens and a partly used block at most, less the margin.
+    assert 3 * whole.batch_cap(cold_state()) < wave <= 16_000 // (100 + 0.08 * 1500 + 15)
     # Once a request of the pass has finished, the forecast looks all the way ahead again.
     for policy in (horizon, whole):
         policy.observe_finished(100, 100)
@@ -173,10 +200,9 @@ def test_no_request_is_forecast_to_run_past_the_max_tokens():
     for n in range(100, 1100, 10):
         lengths.observe(n)  # a tail past 1,100 only from the lognormal fit
     # One request 100 tokens short of a 1,500-token max_tokens, 100 waiting with nothing generated.
-    admitted = [expected_demand_admissions(np.array([100 + 1400]), np.array([1400]), np.full(100, 100),
-                                           np.zeros(100, int), lengths, 12_000, 16, 1.645, max_output=bound)
-                for bound in (0, 1500)]
-    assert admitted[1] > admitted[0], admitted
+    counts = [admits([100 + 1400], [1400], np.full(100, 100), blocks=750, lengths=lengths, theta=1.645,
+                     max_tokens_bound=bound) for bound in (0, 1500)]
+    assert counts[1] > counts[0], counts
 
 
 def test_simulated_long_outputs_start_sooner_with_the_gamma_cold_start():
@@ -229,13 +255,16 @@ def test_predicted_long_requests_admit_fewer():
     lengths = CensoredLengths(bin_tokens=16)
     for n in np.random.default_rng(4).lognormal(5, 0.5, 400).astype(int):
         lengths.observe(int(n))
-    waiting = np.full(200, 128)
-    args = (np.array([], dtype=np.int64), np.array([], dtype=np.int64), waiting, np.zeros(200, dtype=np.int64),
-            lengths, 30_000, 16, 1.645)
-    plain = expected_demand_admissions(*args)
-    longer = expected_demand_admissions(*args, waiting_scale=np.full(200, 3.0))
-    shorter = expected_demand_admissions(*args, waiting_scale=np.full(200, 0.5))
-    assert shorter > plain > longer > 0
+    args = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.full(200, 128))
+    empty = np.zeros(0)
+
+    def admitted_at(scale: float) -> int:
+        return admits(*args, blocks=1875, lengths=lengths, theta=1.645, running_scale=empty,
+                      waiting_scale=np.full(200, scale))
+
+    plain = admits(*args, blocks=1875, lengths=lengths, theta=1.645)
+    assert admitted_at(1.0) == plain
+    assert admitted_at(0.5) > plain > admitted_at(3.0) > 0
 
 
 def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(monkeypatch):
@@ -267,19 +296,19 @@ def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(mo
     monkeypatch.setattr(forecast_module, "ESTIMATE_MOVE", 0.4)
     policy = fresh()
     policy.observe_finished(16, 130)
-    assert policy.freed_tokens < policy.shortfall_tokens and not policy.wants_requests(step(3))
+    assert policy.since.freed_tokens < policy.last.shortfall_tokens and not policy.wants_requests(step(3))
     policy.observe_finished(16, 130)
     assert policy.wants_requests(step(2))
     # Once the estimate is stable, only finishes that free what the first waiting request lacked.
     monkeypatch.setattr(forecast_module, "STABLE_COUNT", 0)
     policy = fresh()
-    lacking = policy.shortfall_tokens
+    lacking = policy.last.shortfall_tokens
     assert lacking > 16 + 130  # the first waiting request overshoots by more than one finish frees
     policy.observe_finished(16, 130)
     assert not policy.wants_requests(step(3))
     policy.observe_finished(16, 130)
     policy.observe_finished(16, 130)
-    assert policy.freed_tokens > lacking and policy.wants_requests(step(1))
+    assert policy.since.freed_tokens > lacking and policy.wants_requests(step(1))
     # A request that leaves without finishing (preempted) frees memory the finishes do not count.
     forecast(policy, 4)
     assert not policy.wants_requests(step(4))
@@ -312,14 +341,25 @@ def test_forecasts_that_the_estimates_move_called_for_and_admitted_nothing_wait_
             finishes += 1
         waited.append(finishes)
         assert policy.batch_cap(step(4, described=True)) == 4
-    # f finishes after c known call for one once f >= (c + f) * 0.05 * wait, wait = 1, 2, 4, 4.
-    assert waited == [2, 3, 7, 8]
-    # A forecast that admits resets the wait: 3 finishes (of 43 known) call for one again, not 9.
+
+    def due(known: int, wait: int) -> int:
+        """f finishes after `known` call for a forecast once f >= max(1, (known + f) * ESTIMATE_MOVE) * wait."""
+        f = 1
+        while f < max(1.0, (known + f) * 0.05) * wait:
+            f += 1
+        return f
+
+    known, expected = 20, []
+    for k in range(4):  # the wait doubles from 1 until ESTIMATE_WAIT_MAX
+        expected.append(due(known, min(2 ** k, forecast_module.ESTIMATE_WAIT_MAX)))
+        known += expected[-1]
+    assert waited == expected and waited[-1] > waited[0]
+    # A forecast that admits resets the wait.
     roomy = step(2, described=True)
     roomy.running_tokens, roomy.running_generated = np.full(2, 40), np.full(2, 24)
     assert policy.batch_cap(roomy) > 2
-    policy.observe_finished(0, 1)
-    policy.observe_finished(0, 1)
+    for _ in range(due(known, 1) - 1):
+        policy.observe_finished(0, 1)
     assert not policy.wants_requests(step(2))
     policy.observe_finished(0, 1)
     assert policy.wants_requests(step(2))
@@ -369,8 +409,8 @@ def test_saved_statistics_seed_the_estimate_as_an_earlier_pass(tmp_path):
     assert policy.lengths.count == pytest.approx(100)
     mean, _ = policy.lengths.conditional(np.array([0]))
     assert mean[0] == pytest.approx(250, abs=10)
-    # 100 >= forecast_after: the first steps already forecast (no worst-case cold start)
-    assert policy._forecasting(StepState(num_running=0, num_waiting=5, kv_capacity_blocks=100, block_size=16))
+    # 100 >= forecast_after: the first steps already forecast, with no max_tokens known (no worst-case cold start)
+    assert policy.wants_requests(StepState(num_running=0, num_waiting=5, kv_capacity_blocks=100, block_size=16))
 
 
 @pytest.mark.engine
@@ -415,15 +455,12 @@ def test_the_forecast_reports_its_margin_as_the_safety_buffer():
                       running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
                       waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64))
     policy.batch_cap(state)
-    admit, margin, *_ = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
-                                               state.waiting_generated, policy.lengths, 60 * 16, 16, policy.theta,
-                                               with_margin=True)
-    assert 0 < admit < 20 and admit == policy.admitted_last
+    admit, margin, *_ = expected_demand_admissions(state, policy.lengths, policy.theta)
+    assert 0 < admit < 20 and admit == policy.last.admitted
     assert margin > 0 and policy.trace_fields()["safety_buffer_blocks"] == pytest.approx(margin / 16)
     # a larger overflow allowance keeps less free
-    loose = expected_demand_admissions(state.running_tokens, state.running_generated, state.waiting_tokens,
-                                       state.waiting_generated, policy.lengths, 60 * 16, 16, 0.5, with_margin=True)
-    assert loose[0] >= admit and loose[1] < margin
+    loose = expected_demand_admissions(state, policy.lengths, 0.5)
+    assert loose.count >= admit and loose.margin_tokens < margin
 
 
 def test_the_weighted_censored_fit_is_scipys_maximum_likelihood():
@@ -486,20 +523,22 @@ def test_the_tail_leans_long_by_its_uncertainty_less_as_lengths_come_in():
     rng = np.random.default_rng(6)
     sample = rng.lognormal(np.log(1500), 0.9, 4000)
 
-    def log_means(finished: int) -> tuple[float, float]:
-        fits = []
+    def lean(finished: int, group_size: int = 1) -> float:
+        """How much longer a running request past every finished one is expected to run with the tail pushed
+        by its uncertainty than with the fit itself; the finished in groups of `group_size` samples a prompt."""
+        remaining = []
         for confidence in (0.0, 1.5):
             lengths = CensoredLengths(bin_tokens=16, tail_confidence=confidence)
             done = np.sort(sample[:finished + 200])[:finished]  # the first to finish are the short ones
-            for n in done:
-                lengths.observe(float(n))
-            lengths.reach(np.full(200, done.max() + 32))  # 200 still running, past every finished one
-            fits.append(lengths._tail_fit[1])
-        return fits[0], fits[1]
+            for k, n in enumerate(done):
+                lengths.observe_finished(float(n), group=k // group_size if group_size > 1 else -1)
+            running = np.full(200, done.max() + 32)  # 200 still running, past every finished one
+            remaining.append(lengths.conditional(running)[0][0])
+        return remaining[1] / remaining[0] - 1
 
-    few, many = log_means(16), log_means(1000)
-    assert few[1] > few[0] + 0.05 and many[1] > many[0]
-    assert few[1] - few[0] > 3 * (many[1] - many[0])
+    assert lean(16) > 2 * lean(1000) > 0
+    # Samples of one prompt say less than as many prompts would: the tail leans further.
+    assert lean(1000, group_size=8) > lean(1000)
 
 
 def test_a_groups_samples_count_once_before_the_estimate_rests_on_the_data():
@@ -508,23 +547,21 @@ def test_a_groups_samples_count_once_before_the_estimate_rests_on_the_data():
     state = cold_state()
     for row in range(8):
         policy.observe_finished(100, 60 + row, group=0, row=row)
-    assert policy._observed() == 1 and policy.lengths.design_effect == 8
+    assert policy.lengths.observed == 1 and policy.lengths.design_effect == 8
     assert policy._estimate(state) is not policy.lengths  # the prior still weighs 7 of 15
     for group in range(1, 8):
         policy.observe_finished(100, 60, group=group, row=7 + group)
-    assert policy._observed() == 8 and policy._estimate(state) is policy.lengths
+    assert policy.lengths.observed == 8 and policy._estimate(state) is policy.lengths
     assert policy.lengths.design_effect == 15 / 8
     ungrouped = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_after": 8})
     for row in range(8):
         ungrouped.observe_finished(100, 60 + row)
-    assert ungrouped._observed() == 8 and ungrouped.lengths.design_effect == 1
+    assert ungrouped.lengths.observed == 8 and ungrouped.lengths.design_effect == 1
     policy.start_pass()
-    assert policy.lengths.design_effect == 1 and policy._observed() == pytest.approx(15 * 0.05)
+    assert policy.lengths.design_effect == 1 and policy.lengths.observed == pytest.approx(15 * 0.05)
 
 
 def test_forecasting_the_queue_a_prefix_at_a_time_gives_the_whole_queues_answer(monkeypatch):
-    import rollout.policy.forecast as forecast
-
     rng = np.random.default_rng(5)
     lengths = CensoredLengths(bin_tokens=16)
     for n in rng.lognormal(5.5, 0.7, 300):
@@ -534,34 +571,38 @@ def test_forecasting_the_queue_a_prefix_at_a_time_gives_the_whole_queues_answer(
         running, waiting = int(rng.integers(0, 60)), int(rng.integers(1, 400))
         group = rng.integers(-1, 50, running + waiting)  # some alone, some in groups, some in none
         shared = np.where(group >= 0, 128, 0)
-        capacity = float(rng.choice([8_000, 20_000, 50_000, 150_000, 400_000]))
-        cases.append((100 + rng.integers(0, 600, running), rng.integers(0, 600, running), np.full(waiting, 200),
-                      np.zeros(waiting, int), lengths, capacity, 16, 1.64, None, None,
-                      group[:running], group[running:], shared[:running], shared[running:]))
-    windowed = [expected_demand_admissions(*case, with_margin=True) for case in cases]
-    monkeypatch.setattr(forecast, "FIRST_WINDOW", 10_000)  # the whole queue at once
-    whole = [expected_demand_admissions(*case, with_margin=True) for case in cases]
+        blocks = int(rng.choice([500, 1250, 3125, 9375, 25_000]))
+        cases.append(view(100 + rng.integers(0, 600, running), rng.integers(0, 600, running), np.full(waiting, 200),
+                          blocks=blocks, running_group=group[:running], waiting_group=group[running:],
+                          running_shared=shared[:running], waiting_shared=shared[running:]))
+    windowed = [expected_demand_admissions(case, lengths, 1.64) for case in cases]
+    monkeypatch.setattr(forecast_module, "FIRST_WINDOW", 10_000)  # the whole queue at once
+    whole = [expected_demand_admissions(case, lengths, 1.64) for case in cases]
     assert [a.count for a in windowed] == [a.count for a in whole]
     np.testing.assert_allclose([a.margin_tokens for a in windowed], [a.margin_tokens for a in whole], rtol=1e-9)
     np.testing.assert_allclose([a.shortfall_tokens for a in windowed], [a.shortfall_tokens for a in whole],
                                rtol=1e-9)
-    admits = [a.count for a in whole]
-    assert min(admits) < 16 and max(admits) > 64  # within the first window, and past the second
+    counts = [a.count for a in whole]
+    assert min(counts) < 16 and max(counts) > 64  # within the first window, and past the second
 
 
 def test_the_policy_describes_a_limited_head_of_the_queue_once_forecasting():
     policy = ForecastPolicy(0.05, 1024)
     assert policy.waiting_limit() is None  # before the first forecast the whole queue may matter
     policy.batch_cap(cold_state())
-    assert 0 < policy.admitted_last < 100
-    assert policy.waiting_limit() == 256
-    policy.admitted_last = 200
-    assert policy.waiting_limit() == 400  # a limit that all fitted grows
+    assert 0 < policy.last.admitted < 100
+    assert policy.waiting_limit() == forecast_module.WAITING_LIMIT
+    # A limit that all fitted grows: 300 short requests into an ample cache all fit.
+    for _ in range(50):
+        policy.observe_finished(16, 50)
+    roomy = view(np.zeros(0, int), np.zeros(0, int), np.full(300, 16), blocks=100_000)
+    assert policy.batch_cap(roomy) == 300 and policy.waiting_limit() == 600
+    # Once nothing waits Algorithm 1 decides, and the next forecast may again see the whole queue.
+    policy.batch_cap(StepState(num_running=300, num_waiting=0, kv_capacity_blocks=100_000, block_size=16))
+    assert policy.waiting_limit() is None
 
 
 def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_while_unused():
-    import rollout.policy.forecast as forecast_module
-
     def state() -> StepState:
         return StepState(num_running=4, num_waiting=10, kv_capacity_blocks=30, block_size=16,
                          running_tokens=np.full(4, 116), running_generated=np.full(4, 100),
@@ -575,14 +616,17 @@ def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_whil
     fixed.batch_cap(state())
     policy.observe_preempted(200)
     policy.batch_cap(state())
-    assert policy.margin_scale == forecast_module.MARGIN_WIDEN
-    assert policy.margin_blocks > fixed.margin_blocks  # the margin the forecast keeps free widened
+    assert policy.margin.scale == forecast_module.MARGIN_WIDEN
+    assert policy.last.margin_blocks > fixed.last.margin_blocks  # the margin the forecast keeps free widened
     assert policy.trace_fields()["margin_scale"] == forecast_module.MARGIN_WIDEN
-    for _ in range(2000):  # forecasts that admit nothing, with nothing preempted: the margin sits unused
+    # Forecasts that admit nothing, with nothing preempted: the margin sits unused and narrows to its least.
+    narrowing = math.log(forecast_module.MARGIN_SCALE_MIN / forecast_module.MARGIN_WIDEN) / math.log(
+        forecast_module.MARGIN_NARROW)
+    for _ in range(forecast_module.MARGIN_QUIET_FORECASTS + math.ceil(narrowing) + 8):
         policy.batch_cap(state())
-    assert policy.admitted_last == 0 and policy.margin_scale == forecast_module.MARGIN_SCALE_MIN
-    assert policy.margin_blocks < fixed.margin_blocks
-    assert "margin_scale" not in fixed.trace_fields()  # off by default: the simulator found no gain
+    assert policy.last.admitted == 0 and policy.margin.scale == forecast_module.MARGIN_SCALE_MIN
+    assert policy.last.margin_blocks < fixed.last.margin_blocks
+    assert "margin_scale" not in fixed.trace_fields()  # off by default
 
 
 
@@ -609,28 +653,26 @@ def test_a_request_that_does_not_fit_now_waits_for_the_cache_to_free_what_it_lac
     policy = deterministic_policy()
     # 10 requests near their end hold 2260 of the 2400 tokens: a 200-token prompt overshoots now.
     assert policy.batch_cap(described(10, free_blocks=5, generated=195, prompt=200)) == 10
-    assert policy.admitted_last == 0 and policy._overshoot.tokens_ahead == 0
-    lacking = policy.shortfall_tokens
+    assert policy.last.admitted == 0 and policy.last.overshoot.tokens_ahead == 0
+    lacking = policy.last.shortfall_tokens
     # Finishes whose blocks the running requests' new tokens took: nothing fits yet, however many finish
     # (the estimate has no say in what is held now).
     for _ in range(3):
         policy.observe_finished(16, 200)
-    assert policy.freed_tokens > lacking and not policy.wants_requests(described(7, free_blocks=5))
+    assert policy.since.freed_tokens > lacking and not policy.wants_requests(described(7, free_blocks=5))
     assert not policy.wants_requests(described(7, free_blocks=5 + int(lacking // 16) - 1))
     assert policy.wants_requests(described(7, free_blocks=5 + int(lacking // 16) + 1))
 
 
 def test_a_request_that_overshoots_later_waits_for_finishes_beyond_those_expected(monkeypatch):
-    import rollout.policy.forecast as forecast_module
-
     monkeypatch.setattr(forecast_module, "STABLE_COUNT", 0)  # finishes no longer move the estimate enough to matter
     policy = deterministic_policy()
     # Fresh requests heading for 200 tokens each: 10 of them fit the cache all the way, an 11th would at
     # their end, not now.
     assert policy.batch_cap(described(10, free_blocks=130)) == 10
-    overshoot = policy._overshoot
-    assert policy.admitted_last == 0 and overshoot.tokens_ahead > 100
-    assert 0 < policy.shortfall_tokens < 216  # one running request's share there is more than it lacks
+    overshoot = policy.last.overshoot
+    assert policy.last.admitted == 0 and overshoot.tokens_ahead > 100
+    assert 0 < policy.last.shortfall_tokens < 216  # one running request's share there is more than it lacks
     policy.observe_finished(16, 30)  # a finish the forecast cannot place frees nothing there
     assert not policy.wants_requests(described(9, free_blocks=130))
     policy.observe_finished(16, 30, row=3)  # one that was to run past then did not
@@ -639,7 +681,7 @@ def test_a_request_that_overshoots_later_waits_for_finishes_beyond_those_expecte
     # (steady_until), and the steps until then need not ask it.
     policy = deterministic_policy()
     policy.batch_cap(described(10, free_blocks=130, step=100))
-    ahead = int(policy._overshoot.tokens_ahead)
+    ahead = int(policy.last.overshoot.tokens_ahead)
     assert policy.steady_until() == 100 + ahead
     for step in range(101, 100 + ahead):
         assert not policy.wants_requests(described(10, free_blocks=130, step=step))
@@ -650,11 +692,12 @@ def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():
     policy = ForecastPolicy(0.05, 1024, min_observations=2, forecast_after=2)
     for _ in range(50):
         policy.observe_finished(16, 200)
-    first = StepState(num_running=0, num_waiting=2000, kv_capacity_blocks=100_000, block_size=16, kv_free_blocks=100_000)
+    first = StepState(num_running=0, num_waiting=2000, kv_capacity_blocks=100_000, block_size=16,
+                      kv_free_blocks=100_000)
     first.running_tokens = first.running_generated = first.running_rows = np.zeros(0, dtype=np.int64)
     first.waiting_tokens, first.waiting_generated = np.full(1024, 16), np.zeros(1024, dtype=np.int64)
     first.waiting_rows = np.arange(1024)
-    assert policy.batch_cap(first) == 1024 and policy.admitted_last == 1024  # ample memory: the cap binds
+    assert policy.batch_cap(first) == 1024 and policy.last.admitted == 1024  # ample memory: the cap binds
 
     def running(n: int) -> StepState:
         return StepState(num_running=n, num_waiting=976, kv_capacity_blocks=100_000, block_size=16,
@@ -670,8 +713,8 @@ def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():
 
 
 def test_survival_never_exceeds_one_where_interpolation_rounds_up():
-    # (above + (now - above) * 1) / now rounds to 1.0000000000000002 for these two: a survival over 1 made a
-    # demand's variance negative, its sd NaN, and no admission ever fitted (a pass stalled at one request).
+    # (above + (now - above) * 1) / now rounds to 1.0000000000000002 for these two: a survival over 1 makes a
+    # demand's variance negative, its sd NaN, and no admission ever fits (a pass stalls at one request).
     now, above = 0.004998958136876471, 0.0010628500471110392
     reach = np.array([1.0, now, above, 0.0])
     ahead = np.array([[0.0, 0.5, 1.0]])  # fractional bins ahead (scaled requests) take the interpolation
@@ -680,36 +723,31 @@ def test_survival_never_exceeds_one_where_interpolation_rounds_up():
     lengths = CensoredLengths(bin_tokens=16)
     for n in (20, 40, 40, 300):
         lengths.observe(n)
-    admitted = expected_demand_admissions(np.array([300.0]), np.array([30]), np.full(4, 100.0), np.zeros(4),
-                                          lengths, 100_000.0, 16, 1.6, running_scale=np.array([1.3]),
-                                          waiting_scale=np.full(4, 1.3))
-    assert admitted == 4
+    assert admits([300.0], [30], np.full(4, 100.0), blocks=6250, lengths=lengths, theta=1.6,
+                  running_scale=np.array([1.3]), waiting_scale=np.full(4, 1.3)) == 4
 
 
 def test_the_running_requests_are_tested_at_each_future_time_not_at_their_worst_of_each():
     # Long running requests 900 tokens in: their expected demand is highest now, its spread later (who ends
-    # when). The old test added the largest spread to the largest demand and admitted nothing where the
-    # pointwise test (the one admissions pass) has room.
+    # when). Adding the largest spread to the largest demand admits nothing where the pointwise test (the one
+    # admissions pass) has room.
     lengths = CensoredLengths(bin_tokens=16)
     for n in np.random.default_rng(1).lognormal(np.log(1200), 0.5, 400).astype(int):
         lengths.observe(int(n))
-    running_tokens, running_generated = np.full(60, 1000), np.full(60, 900)
-    waiting_tokens, waiting_generated = np.full(50, 100), np.zeros(50, int)
 
-    def admit(capacity, pointwise):
-        return expected_demand_admissions(running_tokens, running_generated, waiting_tokens, waiting_generated,
-                                          lengths, capacity, 16, 1.645, with_margin=True,
-                                          pointwise_running_peak=pointwise)
+    def admit(blocks: int, pointwise: bool):
+        return expected_demand_admissions(view(np.full(60, 1000), np.full(60, 900), np.full(50, 100), blocks=blocks),
+                                          lengths, 1.645, pointwise_running_peak=pointwise)
 
     # Each test's own peak for the running requests alone: what they overshoot a cache of no tokens by.
-    worst_of_each = admit(0.0, False).shortfall_tokens
-    pointwise = admit(0.0, True).shortfall_tokens
+    worst_of_each = admit(0, False).shortfall_tokens
+    pointwise = admit(0, True).shortfall_tokens
     assert pointwise < worst_of_each
-    capacity = pointwise + 0.5 * (worst_of_each - pointwise)
-    assert admit(capacity, False).count == 0
-    assert admit(capacity, True).count > 0
+    between = int((pointwise + 0.5 * (worst_of_each - pointwise)) // 16)
+    assert admit(between, False).count == 0
+    assert admit(between, True).count > 0
     # With room for everyone the two agree.
-    assert admit(1e9, False).count == admit(1e9, True).count == 50
+    assert admit(10**8, False).count == admit(10**8, True).count == 50
 
 
 def test_admissions_come_in_waves_of_a_share_of_the_running():
@@ -754,8 +792,8 @@ def test_a_wave_too_small_waits_for_finishes_before_the_next_forecast():
     assert waves.batch_cap(state) == state.num_running  # so none is admitted
     skipped = StepState(**{**state.__dict__, "running_tokens": None, "running_generated": None,
                            "waiting_tokens": None, "waiting_generated": None})
-    for k in range(2 * (8 - fits)):
-        # no forecast until twice as many as the wave lacked have finished (WAVE_WAIT)
+    for k in range(forecast_module.WAVE_WAIT * (math.ceil(0.08 * 100) - fits)):
+        # no forecast until WAVE_WAIT times as many as the wave lacked have finished
         assert not waves.wants_requests(skipped), k
         waves.observe_finished(100, 200)
     assert waves.wants_requests(skipped)

@@ -173,7 +173,6 @@ def test_prior_from_another_block_size_is_estimated_until_complete():
     estimated = prior.demand_blocks(128)
     assert estimated[0] == pytest.approx((prior.total_tokens.mean + 63.5) / 128)
     prior.observe(50, 950)  # one exact observation does not replace a hundred estimated ones
-    assert prior.demand_blocks(128) != (8.0, 0.0)
     assert prior.demand_blocks(128)[0] == pytest.approx((prior.total_tokens.mean + 63.5) / 128)
 
 

@@ -37,7 +37,6 @@ def test_admissions_are_the_largest_prefix_that_fits(running, waiting, capacity)
         return brute_peak(arr(running, 0).tolist() + arr(waiting, 0)[:k].tolist(),
                           arr(running, 1).tolist() + arr(waiting, 1)[:k].tolist(), 1)
 
-    assert 0 <= m <= len(waiting)
     if m > 0:
         assert peak_with(m) <= capacity
     if m < len(waiting):
@@ -143,7 +142,7 @@ def test_in_waves_the_oracle_still_preempts_nothing_and_leaves_the_decode_graph_
 
 def test_the_oracle_searches_again_when_the_whole_queue_it_saw_fitted():
     """vLLM's front end hands a pass to the engine over its first step: the oracle sees a few requests, all fit.
-    Waiting for a finish then held those few alone until the longest of them ended (stop 29, on the GPU)."""
+    Waiting for a finish would hold those few alone until the first of them ended."""
     policy = make_policy({"name": "oracle", "b_max": 1024})
     first = StepState(num_running=0, num_waiting=4, kv_capacity_blocks=100_000, block_size=16)
     first.running_tokens = first.running_remaining = np.zeros(0, dtype=np.int64)

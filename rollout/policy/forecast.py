@@ -1,21 +1,26 @@
-"""Length-aware admission from predicted lengths (issue #4): the oracle's rule with estimates instead of truth.
+"""Length-aware admission from predicted lengths: the oracle's rule with estimates instead of truth.
 
 Output lengths are estimated with censoring: early in a pass the finished requests are the short ones, so the
 finished lengths alone understate E[l_out]. Each running request that has generated g tokens says "l_out > g";
-the Kaplan-Meier estimator over fixed-width bins combines both. From it, a running request's remaining length
-is E[l_out - g | l_out > g] (conditional on what it already generated), and a fresh request's is E[l_out].
+the Kaplan-Meier estimator over fixed-width bins combines both (`CensoredLengths`). From it, a running request's
+remaining length is E[l_out - g | l_out > g] (conditional on what it already generated), and a fresh request's
+is E[l_out].
 
 Admission then follows the oracle (`oracle.py`) with expectations: waiting requests, in queue order, are
 admitted while, at every future time, the expected KV demand of everything running plus them (each request's
-tokens weighted by the probability it is still running then) plus theta standard deviations fits the cache.
-Samples of one prompt (a GRPO group) share its prompt blocks, counted once, and its length: what a group's
-finished samples say moves the estimate for the rest of the group (`SiblingLengths`).
+tokens weighted by the probability it is still running then) plus theta standard deviations fits the cache
+(`expected_demand_admissions`). Samples of one prompt (a GRPO group) share its prompt blocks, counted once, and
+its length: what a group's finished samples say moves the estimate for the rest of the group (`SiblingLengths`).
+
+`ForecastPolicy` runs a forecast only when something it depends on changed: its last answer is one `Forecast`,
+replaced whole by the next, and what happened since is one `Since`.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -26,36 +31,30 @@ from rollout.policy.base import StepState, register
 from rollout.policy.policies import MemoryPolicy
 
 
-MAX_POINTS = 48
+MAX_POINTS = 48  # future times a forecast checks, at most
 FIRST_WINDOW = 16  # waiting requests forecast first (most steps admit fewer)
-WAITING_LIMIT = 256  # waiting requests described to the policy each step (at least)
-MARGIN_WIDEN, MARGIN_NARROW = 2.0, 0.99  # preemption feedback: theta's scale per step that preempted / quiet forecast
+WAITING_LIMIT = 256  # waiting requests described to the policy each step once it forecasts (at least)
+MARGIN_WIDEN, MARGIN_NARROW = 2.0, 0.99  # margin feedback: theta's scale after a preemption / per quiet forecast
 MARGIN_SCALE_MIN, MARGIN_SCALE_MAX = 0.5, 2.0
 MARGIN_QUIET_FORECASTS = 32  # forecasts without a preemption before the margin narrows
 STABLE_COUNT = 512  # finished lengths after which one more finish barely moves the estimate
-# Before that, a forecast that admitted nothing where its first request left out overshoots later (not now) is
-# repeated once the finishes since add this share of the lengths seen (any finish below 128). In the simulator
-# (long-cot, 4 seeds) 1/128 and 1/64 were the same, 1/32 lost 0.6%, none at all 1.2%; 1/64 lost 1.5% on
-# small grpo passes (384 requests, where the estimate never settles).
+# Before STABLE_COUNT, a forecast that admitted nothing is repeated once the finishes since it add this share of
+# the lengths seen (any finish below 128): they move the estimate by more than the memory they free. A larger
+# share loses throughput where the estimate never settles (small passes); see docs/results.md.
 ESTIMATE_MOVE = 1 / 128
-# While the cap (B_max) binds, a forecast waits until this share of the running requests could be admitted: on
-# an H100 (cap-bound, 1024 running) a forecast after every finish cost 1.2% of the step time in CPU, and each
-# admission of a few requests a step with prefill (+2.9 ms). In the simulator: 237 -> 66 forecasts, +0.9%.
+# While the cap (B_max) binds, a forecast waits until this share of the running requests could be admitted: each
+# forecast reads every running request, and each admission of a few requests costs a step with prefill.
 HEADROOM_SHARE = 1 / 64
-# A wave too small to admit waits for twice as many finishes as it lacked requests before the next forecast:
-# once as many, a third of grpo-groups' forecasts were such re-checks that admitted nothing again (simulator;
-# the GPU's policy time 1.17% of a step there, 1.22% on kv-bound). Twice cut the forecasts by a third for
-# 0.3-0.4% of simulated throughput, which leaves out the policy's own time.
+# A wave too small to admit waits for this many times as many finishes as it lacked requests before the next
+# forecast: about one request fits per finish, and re-checks after once as many mostly admit nothing again.
 WAVE_WAIT = 2
 # A forecast the estimate's move called for that admitted nothing doubles the finishes the next one waits for, up
-# to this factor (any admission resets it). 95-98% of those forecasts admitted nothing (simulator: kv-bound 158 of
-# 160, long-cot 198 of 202), and each cost ~1 ms of an H100 host's CPU. With 4, forecasts 285 -> 178 (kv-bound),
-# 223 -> 82 (long-cot), 413 -> 267 (real); throughput within +-0.4% by profile over 4-8 seeds.
+# to this factor (any admission resets it): almost all such forecasts admit nothing, and throughput does not
+# change with it (docs/results.md).
 ESTIMATE_WAIT_MAX = 4
 # Least correlation taken between the lengths of a group's samples once some of them finished, in a pass that
-# starts from nothing (see SiblingLengths.informed). Simulator, grpo-groups' first pass (H200 model, seeds 0-7),
-# against 1 (stop 29): the posterior's own 0.2-0.45 ran +0.4..2.2% and recomputed up to 1.6%; 0.3 up to 1.3%;
-# 0.5 ran +0.7..1.3% (recomputed <= 0.64%, one seed 1.22%); 0.7 +0.0..0.8%.
+# starts from nothing (see SiblingLengths.informed): lower preempts more, higher holds the cache emptier
+# (docs/results.md).
 SIBLING_CORRELATION_MIN = 0.5
 
 
@@ -64,8 +63,7 @@ def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.nd
     """Maximum-likelihood mean and sd of a normal from weighted observations and weighted right-censored ones
     (known only to exceed their value). What scipy.stats.norm.fit does with CensoredData, over distinct values
     with weights. Newton's method in (mean / sd, 1 / sd), where the log-likelihood is concave (Olsen, 1978):
-    4-7 steps, ~0.4 ms against Nelder-Mead's ~2 ms over 300 random fits (kv-bound's refits were a fifth of its
-    forecasts' time).
+    4-7 steps, several times faster than Nelder-Mead's simplex, which remains for where Newton finds no maximum.
     `standard_errors`: also those of the mean and of log(sd), from the likelihood's curvature at its maximum
     (0 where it is flat)."""
     values, weights = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
@@ -97,7 +95,7 @@ def censored_normal_fit(values: np.ndarray, weights: np.ndarray, censored: np.nd
         params, terms = trial, trial_terms
         if moved < 1e-10:
             break
-    else:  # not converged (a flat likelihood): the simplex, as before
+    else:  # not converged (a flat likelihood): the simplex
         return _nelder_mead_fit(values, weights, censored, censored_weights, standard_errors)
     scaled_mean, inverse_sd = params
     mean, sd = float(scaled_mean / inverse_sd), float(1.0 / inverse_sd)
@@ -159,31 +157,44 @@ def _nelder_mead_fit(values, weights, censored, censored_weights, standard_error
 
 
 class CensoredLengths:
-    """Kaplan-Meier estimate of the output-length distribution over bins of `bin_tokens` tokens."""
+    """Kaplan-Meier estimate of the output-length distribution over bins of `bin_tokens` tokens.
+
+    Besides the (weighted) finished lengths it keeps what the current pass added: how many finished, and how
+    many of them per group, which sets how much the lengths say (`observed`, `design_effect`)."""
 
     def __init__(self, bin_tokens: int = 16, tail: str = "lognormal", tail_confidence: float = 1.5) -> None:
         self.bin_tokens = bin_tokens
         self.tail = tail
         self.tail_confidence = tail_confidence
-        # Finished samples per distinct prompt among them: samples of one prompt run about as long as each
-        # other, so the fit knows less than its count of lengths says (the variance of its parameters grows by
-        # up to this factor; 1 for groups of one).
-        self.design_effect = 1.0
         # Finished requests per length bin (weights: earlier passes count less): a list (`add_to_bin`), read
-        # whole as an array (`finished`).
+        # whole as an array (`finished`). `count` is their total weight, `longest_bin` the last bin observed.
         self._finished = [0.0] * 64
         self.count = 0.0
         self.longest_bin = 0
         self._tail_fit: tuple[int, float, float] | None = None  # (count when fitted, log-mean, log-sd)
         self._tail_ratio = None  # survival past the longest finished request, relative to it, for a fit
+        # This pass: requests finished, the groups (prompts) among them, and the finished samples of a group.
+        self.pass_count = 0
+        self._pass_groups: set[int] = set()
+        self._pass_grouped = 0
 
     @property
     def finished(self) -> np.ndarray:
         return np.array(self._finished)
 
-    @finished.setter
-    def finished(self, weights) -> None:
-        self._finished = np.asarray(weights, dtype=float).tolist()
+    @property
+    def design_effect(self) -> float:
+        """Finished samples per distinct prompt among this pass's grouped finishes (1 without groups): samples
+        of one prompt run about as long as each other, so the fit knows less than its count of lengths says (the
+        variance of its parameters grows by up to this factor)."""
+        return self._pass_grouped / len(self._pass_groups) if self._pass_groups else 1.0
+
+    @property
+    def observed(self) -> float:
+        """Finished lengths the estimate rests on: this pass's samples of one prompt count once (a group's short
+        samples, finishing first, would otherwise pass for as many observations of the pass), earlier passes at
+        their carried weight."""
+        return self.count - self._pass_grouped + len(self._pass_groups)
 
     def observe(self, output_tokens: float, weight: float = 1.0) -> None:
         k = int(output_tokens // self.bin_tokens)
@@ -192,13 +203,47 @@ class CensoredLengths:
         if k > self.longest_bin:
             self.longest_bin = k
 
+    def observe_finished(self, output_tokens: float, group: int = -1) -> None:
+        """A request of this pass finished with `output_tokens` (in the estimate's units); `group`: its prompt's
+        group, -1 if none."""
+        self.observe(output_tokens)
+        self.pass_count += 1
+        if group >= 0:
+            self._pass_groups.add(group)
+            self._pass_grouped += 1
+
     def forget(self, keep: float) -> None:
-        """Weigh everything observed so far by `keep` (a new pass: lengths drift between RL iterations)."""
+        """Weigh everything observed so far by `keep`."""
         self._finished = [w * keep for w in self._finished]
         self.count *= keep
         self._tail_fit = self._tail_ratio = None
         if keep == 0:
             self.longest_bin = 0
+
+    def start_pass(self, keep: float, prior: np.ndarray | None = None) -> None:
+        """A new pass (lengths drift between RL iterations): what was observed before counts at weight `keep`,
+        or, given a `prior` (expected lengths of the pass), is replaced by it at that weight each."""
+        if prior is None:
+            self.forget(keep)
+        else:
+            self.forget(0.0)
+            for length in np.asarray(prior, dtype=float):
+                self.observe(length, keep)
+        self.pass_count = 0
+        self._pass_groups.clear()
+        self._pass_grouped = 0
+
+    def blended(self, mass: np.ndarray, weight: float) -> CensoredLengths:
+        """This estimate with `weight` more observations distributed as `mass` (per bin, summing to 1), and no
+        fitted tail."""
+        blend = CensoredLengths(self.bin_tokens, tail="none")
+        finished = self.finished
+        size = max(len(mass), len(finished))
+        blend._finished = (np.pad(mass * weight, (0, size - len(mass)))
+                           + np.pad(finished, (0, size - len(finished)))).tolist()
+        blend.count = self.count + weight
+        blend.longest_bin = max(self.longest_bin, len(mass) - 1)
+        return blend
 
     def _lognormal(self, generated: np.ndarray) -> tuple[float, float]:
         """Log-mean and log-sd of a lognormal fitted (censored maximum likelihood) to the finished lengths and
@@ -212,11 +257,10 @@ class CensoredLengths:
             censored, times = np.unique(np.log(np.maximum(generated, 1)), return_counts=True)
             log_mean, log_sd, se_mean, se_log_sd = censored_normal_fit(
                 np.log(centers[counts > 0]), counts[counts > 0], censored, times, standard_errors=True)
-            # Toward longer lengths by `tail_confidence` standard errors: the first finishes are few and short,
-            # and a fit to them that came out low (long-cot, simulator: 1,504 tokens for a true mean of 2,035
-            # after 32) admitted a wave that preempted 2-4% of the tokens later on.
-            # Bounded (lengths e times longer, a spread twice as wide) where a flat likelihood (a handful of
-            # finishes) has no useful curvature.
+            # Toward longer lengths by `tail_confidence` standard errors (more where a pass's grouped samples say
+            # less than their count, `design_effect`): the first finishes are few and short, and a fit to them
+            # that comes out low admits a wave that is preempted later on. Bounded (lengths e times longer, a
+            # spread twice as wide) where a flat likelihood (a handful of finishes) has no useful curvature.
             k = self.tail_confidence * np.sqrt(self.design_effect)
             log_mean, log_sd = log_mean + min(k * se_mean, 1.0), log_sd * np.exp(min(k * se_log_sd, np.log(2.0)))
             self._tail_fit = (self.count, log_mean, max(log_sd, 1e-3))
@@ -266,6 +310,7 @@ class CensoredLengths:
         return np.maximum(mean_len - generated, 1.0), np.maximum(var_len, 0.0)
 
 
+
 # The least within-group variance of log lengths the sibling model assumes (a 1% spread).
 WITHIN_VAR_MIN = 1e-4
 
@@ -288,11 +333,11 @@ class SiblingLengths:
     offset is its posterior mode given its finished samples (exact) and its running ones (censored: longer than
     what they generated so far, so the first, short finishers do not pull the group down alone). mu and the
     total spread come from a censored fit over the pass; the within-group spread from the previous pass's
-    groups (complete by then), or half the total in a first pass (the simulator's grpo-groups, whose groups
-    hold 16% of the spread, preempted 1.6% of its tokens with the true share in its first pass)."""
+    groups (complete by then), or half the total in a first pass: a pass's first finishers are its short ones,
+    and the true (smaller) share narrows their groups too far (docs/results.md)."""
 
-    # Finished samples (any group) before offsets are estimated: with 16 or 32, a pass's first fit (short
-    # finishers, many censored) over-narrowed, and 48-group passes in the simulator recomputed 2-6% of tokens.
+    # Finished samples (any group) before offsets are estimated: a pass's first fit (short finishers, many
+    # censored) over-narrows with fewer.
     MIN_FINISHED = 64
     NEWTON_STEPS = 6
 
@@ -327,7 +372,7 @@ class SiblingLengths:
             grow = max(group + 1, 2 * len(self.count)) - len(self.count)
             self.count, self.total, self.sum_squares = (np.pad(a, (0, grow)) for a in
                                                         (self.count, self.total, self.sum_squares))
-        x = math.log(max(output_tokens, 1.0) / scale)  # numpy's log of one float costs ~10x math's
+        x = math.log(max(output_tokens, 1.0) / scale)  # math's log: numpy's call on one float costs far more
         self.count[group] += 1
         self.total[group] += x
         self.sum_squares[group] += x * x
@@ -346,10 +391,9 @@ class SiblingLengths:
         known = in_range.copy()
         known[in_range] = self.count[groups[in_range]] > 0
         # A waiting request whose siblings all still run learns from them alone: longer than their output so
-        # far. First-pass probes put such requests first (their groups are the long ones); read as the pass's
-        # average, their admission preempted up to 1.3% of tokens on an H200.
-        # Only moved up, not narrowed: a censored look at a group is no measure of its spread (narrowed, the
-        # simulator's grpo-groups preempted 1.7% of its tokens on one seed of four).
+        # far. First-pass probes put such requests first (their groups are the long ones), and read as the
+        # pass's average they are admitted into a cache they overrun.
+        # Only moved up, not narrowed: a censored look at a group is no measure of its spread.
         only_running = np.zeros(len(groups), dtype=bool)
         only_running[running:] = in_range[running:] & ~known[running:] & np.isin(
             groups[running:], groups[:running][in_range[:running]])
@@ -385,11 +429,10 @@ class SiblingLengths:
         row_offset[known], row_spread[known] = offset[index], spread[index]
         row_spread[only_running] = 1.0
         # Once a group's samples finished, its others vary together only by what is still unknown of the group:
-        # the offset's posterior variance against the samples' own. Taken as 1 (all move together) they held
-        # the cache 5-20% emptier than the oracle's in grpo-groups' first pass. Only in a fresh pass: in later
-        # ones (lengths carried, per-prompt predictions) it recomputed up to 4.8% of grpo-groups' second pass
-        # and 2.5% of small passes (simulator): there the pass's requests share an error (a mean that moved, as
-        # RL's lengths drift) which the full correlation covered and this model leaves out.
+        # the offset's posterior variance against the samples' own (taken as 1, all moving together, the cache
+        # stays emptier than the oracle's). Only in a fresh pass: in later ones (lengths carried, per-prompt
+        # predictions) the pass's requests share an error (a mean that moved, as RL's lengths drift) which the
+        # full correlation covers and this model leaves out, and admissions are preempted (docs/results.md).
         row_correlation = None
         if self.fresh:
             posterior = -1.0 / hess
@@ -440,9 +483,8 @@ def _alive(bins: np.ndarray, reach: np.ndarray, ahead: np.ndarray) -> np.ndarray
         alive = np.zeros(later.shape)
         alive[:, 0] = 1.0
         np.divide(later, now, out=alive, where=now > 0)
-    # At most 1: interpolated at zero bins ahead, `later` can round a hair above `now`, and a survival over 1 made
-    # a demand's variance negative, its sd NaN and every admission fail (simulator, grpo-groups seed 3: one
-    # request at a time for 280,000 steps).
+    # At most 1: interpolated at zero bins ahead, `later` can round a hair above `now`, and a survival over 1
+    # makes a demand's variance negative, its sd NaN and every admission fail (one request at a time).
     return np.minimum(alive, 1.0, out=alive)
 
 
@@ -568,29 +610,33 @@ class Admission(NamedTuple):
     overshoot: Overshoot | None = None  # where it does (None: all fit)
 
 
-def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np.ndarray,
-                               waiting_tokens: np.ndarray, waiting_generated: np.ndarray,
-                               lengths: CensoredLengths, capacity_tokens: float, block_size: int,
-                               theta: float, running_scale: np.ndarray | None = None,
-                               waiting_scale: np.ndarray | None = None, running_group: np.ndarray | None = None,
-                               waiting_group: np.ndarray | None = None, running_shared: np.ndarray | None = None,
-                               waiting_shared: np.ndarray | None = None, informed: Informed | None = None,
-                               with_margin: bool = False, max_output: int = 0, horizon_tokens: int = 0,
-                               pointwise_running_peak: bool = True):
-    """How many waiting requests (a prefix, in queue order) fit: at every future time (in bins of output
-    tokens), the expected KV demand of running and admitted requests plus theta standard deviations stays
-    within the cache. A request holding c tokens demands c + t (plus a partly used block) at t steps ahead if it
-    is still running then, with the probability `survival_after` gives. With groups and shared prompt tokens
-    (prefix caching), a group's shared prompt blocks count once, while any member runs. `with_margin`: return
-    an `Admission`, which adds the tokens kept free against uncertainty (theta standard deviations) where the
-    admitted demand comes closest to the cache (the forecast's counterpart of Algorithm 1's safety buffer), and
-    by how many tokens the first request not admitted overshoots it. `informed`: rows (running, then waiting)
-    whose estimate their group's finished samples moved (see SiblingLengths). The `Admission` also tells
-    where the first request not admitted overshoots (`Overshoot`), for the policy to know when to look again.
-    `max_output` (0: none): the requests' max_tokens, past which none runs whatever the estimate says.
-    `horizon_tokens` (0: none): look only this many output tokens ahead (the cold start's first wave).
-    `pointwise_running_peak=False`: the running requests alone must fit with their largest expected demand plus
-    theta times their largest standard deviation, wherever each falls (stricter than the test admissions pass)."""
+def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta: float, *,
+                               informed: Informed | None = None, horizon_tokens: int = 0,
+                               pointwise_running_peak: bool = True) -> Admission:
+    """How many waiting requests of the step `state` describes (a prefix, in queue order) fit: at every future
+    time (in bins of output tokens), the expected KV demand of running and admitted requests plus theta standard
+    deviations stays within the cache. A request holding c tokens demands c + t (plus a partly used block) at t
+    steps ahead if it is still running then, with the probability `survival_after` gives (each request's length
+    `lengths` times its `*_scale`). With groups and shared prompt tokens (prefix caching), a group's shared
+    prompt blocks count once, while any member runs; no request runs past `max_tokens_bound` (0: no bound).
+
+    The `Admission` also holds the tokens kept free against uncertainty (theta standard deviations) where the
+    admitted demand comes closest to the cache (the forecast's counterpart of Algorithm 1's safety buffer), by
+    how many tokens the first request not admitted overshoots the cache and where (`Overshoot`), for the policy
+    to know when to look again. Reads the state's token, generated, scale, group and shared arrays, never the
+    true remaining lengths.
+    `informed`: rows (running, then waiting) whose estimate their group's finished samples moved (see
+    SiblingLengths). `horizon_tokens` (0: none): look only this many output tokens ahead (the cold start's first
+    wave). `pointwise_running_peak=False`: the running requests alone must fit with their largest expected
+    demand plus theta times their largest standard deviation, wherever each falls (stricter than the test
+    admissions pass)."""
+    running_tokens, running_generated = state.running_tokens, state.running_generated
+    waiting_tokens, waiting_generated = state.waiting_tokens, state.waiting_generated
+    running_scale, waiting_scale = state.running_scale, state.waiting_scale
+    running_group, waiting_group = state.running_group, state.waiting_group
+    running_shared, waiting_shared = state.running_shared, state.waiting_shared
+    capacity_tokens, block_size = state.kv_capacity_blocks * state.block_size, state.block_size
+    max_output = state.max_tokens_bound
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
     sharing = running_shared is not None and waiting_shared is not None
     own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
@@ -654,8 +700,6 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
 
     def result(admit: int, demand_mean: np.ndarray, demand_var: np.ndarray, peak: float = 0.0,
                over: tuple | None = None):
-        if not with_margin:
-            return admit
         closest = int(np.argmax(demand_mean + theta * np.sqrt(demand_var))) if len(demand_mean) else 0
         overshoot = None
         if over is not None and peak > capacity_tokens:
@@ -701,6 +745,95 @@ def expected_demand_admissions(running_tokens: np.ndarray, running_generated: np
     return result(admit, total_mean[admit - 1], total_var[admit - 1], peak, over)
 
 
+class GammaPrior:
+    """The cold start's stand-in for lengths not yet finished: a gamma distribution of shape `shape` whose mean
+    is the unfinished requests' mean max_tokens. Shape 1 is exponential (the spread of a mean alone); larger
+    shapes concentrate the lengths around the mean, towards Algorithm 1's cold start (every request as long as
+    the mean, which holds the whole demand at once). The default, 3, recomputes little where a third of the
+    lengths sit at max_tokens, which a gamma underweights (docs/results.md)."""
+
+    def __init__(self, shape: float) -> None:
+        if not shape > 0:
+            raise ValueError(f"cold_start_shape must be > 0, not {shape!r}")
+        self.shape = shape
+        self._last: tuple[tuple, CensoredLengths] | None = None  # (what it was built from, the blend)
+
+    def blend(self, lengths: CensoredLengths, mean: float, missing: float) -> CensoredLengths:
+        """`lengths` with `missing` observations of the prior of this `mean` added; the same object while
+        neither a finish nor the mean (to a bin) moved."""
+        from scipy import stats
+
+        key = (round(mean / lengths.bin_tokens), lengths.count, missing)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        edges = np.arange(int(np.ceil(5 * mean / lengths.bin_tokens)) + 1) * lengths.bin_tokens
+        survival = stats.gamma.sf(edges, self.shape, scale=mean / self.shape)
+        mass = -np.diff(survival)
+        mass[-1] += survival[-1]
+        blend = lengths.blended(mass, missing)
+        self._last = (key, blend)
+        return blend
+
+
+class MarginFeedback:
+    """Preemption feedback on the forecast's margin: theta's scale, wider after a preemption, narrower after
+    many quiet forecasts of which the last admitted nothing (requests waited while the margin stayed free)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0  # in [MARGIN_SCALE_MIN, MARGIN_SCALE_MAX]
+        self.quiet = 0  # forecasts since the last preemption
+
+    def update(self, preempted: bool, admitted_last: int) -> float:
+        """Before a forecast: whether anything was preempted since the last one, and what that one admitted."""
+        if preempted:
+            self.scale = min(self.scale * MARGIN_WIDEN, MARGIN_SCALE_MAX)
+            self.quiet = 0
+        else:
+            self.quiet += 1
+            if admitted_last == 0 and self.quiet > MARGIN_QUIET_FORECASTS:
+                self.scale = max(self.scale * MARGIN_NARROW, MARGIN_SCALE_MIN)
+        return self.scale
+
+
+@dataclass(frozen=True, eq=False)
+class Forecast:
+    """A forecast's answer and what the policy needs of it until the next one, which replaces it whole."""
+
+    step: int  # StepState.step it ran at
+    running: int  # requests running then
+    admitted: int  # waiting requests admitted (a prefix of the queue); 0 where too few for a wave fitted
+    # Free KV blocks then, less those the admitted take as they are scheduled (None: not known): the cache frees
+    # what the first request left out lacked on top of these.
+    free_blocks: int | None
+    margin_blocks: float  # kept free against uncertainty where the admitted demand comes closest to the cache
+    shortfall_tokens: float  # by how much the first request left out overshoots the cache (0: all fit)
+    # Where it does (None: all fit). A finish frees its share of the expected demand there (a request that was
+    # to hold 10 tokens then frees 10, whatever it holds now), found through `overshoot_rows`.
+    overshoot: Overshoot | None
+    # A request's row in the pass -> its index into the overshoot's shares, -1 for none; None where it overshoots
+    # now or rows are not known (finishes then count what they held, Since.freed_tokens).
+    overshoot_rows: np.ndarray | None
+    theta: float  # the standard deviations it kept free (margin feedback scales the policy's)
+    wave_wait: int  # finishes the next forecast waits for (a wave too small to admit; 0: none)
+    estimate_wait: int  # the next forecast the estimate's move calls for waits this many times as long
+    informed_rows: int  # requests whose estimate their siblings moved
+    shared_prompt_tokens: int  # prompt tokens running samples would hold again without prefix sharing
+
+
+@dataclass
+class Since:
+    """What happened since the last forecast: counts that only grow and flags that only turn on, until the next
+    forecast starts a new one."""
+
+    finished: int = 0
+    freed_tokens: float = 0.0  # what the finished held (at most: a group's shared prompt stays while others run)
+    freed_mean: float = 0.0  # the finished's shares of the overshoot's expected demand, and of its variance
+    freed_var: float = 0.0
+    preempted: int = 0  # they free memory the finishes do not count
+    new_pass: bool = False  # its requests are not those the forecast saw: the forecast is out of date
+    estimate_called: bool = False  # the forecast now due is one the estimate's move called for
+
+
 @register
 class ForecastPolicy(MemoryPolicy):
     """Admission by the forecast peak KV of running and admitted requests, from censored length estimates.
@@ -708,343 +841,271 @@ class ForecastPolicy(MemoryPolicy):
     Until `forecast_after` requests, and `forecast_after_share` of the running ones, have finished (earlier
     passes counted at their carried weight) it forecasts with a prior in their place (`cold_start="gamma"`) or
     behaves as Algorithm 1 (`"memory"`); with the prior, until the pass's first finish it looks only
-    `cold_start_horizon` x max_tokens ahead (the first wave)."""
+    `cold_start_horizon` x max_tokens ahead (the first wave).
+
+    A forecast that admitted nothing is not repeated until something changed: finishes that free what its first
+    waiting request lacked (`Forecast.overshoot`), a preemption, a new pass, or, before STABLE_COUNT finishes,
+    enough finishes to move the estimate (ESTIMATE_MOVE). Most steps of a KV-bound pass admit nothing, and a
+    forecast reads every running request."""
 
     name = "forecast"
     needs_requests = True
 
     def __init__(self, config, stats=None, graph_batch: int = 0) -> None:
         super().__init__(config, stats, graph_batch)
+        cold_start, cold_start_shape = config.forecast_cold_start, config.forecast_cold_start_shape
         cold_start_horizon, forecast_after_share = config.forecast_cold_start_horizon, config.forecast_after_share
         pointwise_running_peak, min_wave = config.forecast_pointwise_running_peak, config.forecast_min_wave
         forecast_after, carry_over = config.forecast_after, config.forecast_carry_over
-        cold_start, cold_start_shape = config.forecast_cold_start, config.forecast_cold_start_shape
-        margin_feedback, siblings = config.forecast_margin_feedback, config.forecast_siblings
         tail_confidence = config.forecast_tail_confidence
+        self.cold_start = cold_start
+        self.prior = GammaPrior(cold_start_shape)
         # The first wave of a pass that knows nothing is sized for `cold_start_horizon` x max_tokens of output
-        # each, not for the prior's whole future: on long-cot (H100) it ran ~400 requests where the prior alone
-        # ran ~70 until 8 had finished, 1.025x vLLM's default against 0.99-1.00x (1.2% recomputed). The prior
-        # then stays until `forecast_after_share` of the running requests have finished (at least
-        # `forecast_after`): in the simulator, 8 of a wave of 246 (the shortest 3%) had the fit admit 245 more,
-        # and 9.7% of the tokens were recomputed. 0.08 of max_tokens since stop 24 (1/16 before): the wave's
-        # overshoot was long-cot's recomputation, and the pointwise test below fills the cache after it.
+        # each, not for the prior's whole future, which admits a fraction of what fits; the prior then stays
+        # until `forecast_after_share` of the running requests have finished (at least `forecast_after`): the
+        # first few to finish are a wave's shortest, and a fit to them alone admits a wave that preempts.
         self.cold_start_horizon = cold_start_horizon
         self.forecast_after_share = forecast_after_share
-        # The running requests are held to the test admissions pass, at each future time. Before stop 24 they
-        # had to fit with their largest expected demand plus their largest spread wherever each fell: a margin
-        # that kept long-cot's cache ~7% emptier than the oracle's after its first wave.
+        # The running requests are held to the test admissions pass, at each future time (not their largest
+        # demand plus their largest spread wherever each falls, a margin that keeps the cache emptier).
         self.pointwise_running_peak = pointwise_running_peak
         # A forecast admits nothing until `min_wave` x the running requests fit (or the whole queue): each
-        # admission puts prompt tokens into a step, which leaves vLLM's decode-only CUDA graph (3-5 ms on an
-        # H100). Pointwise without it trickled in (kv-bound: 340 steps with admissions against 45) and lost.
+        # admission puts prompt tokens into a step, which leaves vLLM's decode-only CUDA graph.
         self.min_wave = min_wave
-        self._wave_wait = 0  # finishes the next forecast waits for (a wave too small to admit)
-        self._pass_finished = 0
         # Until this many have finished a prior stands in for the missing lengths (see `_estimate`); its mean is
         # the requests' max_tokens, which in RL is a cap far above the mean. After them the fitted tail, pushed
         # toward longer lengths by its own uncertainty (`tail_confidence` standard errors), carries the estimate.
-        # In the simulator with a cap as max_tokens, 8 with 1.5 standard errors against 32 with none: long-cot
-        # +0.8% (5 seeds; recomputed <= 0.3% where 32 reached 2.7%), kv-bound +0.3..1.5%, cap-bound +0.4..0.9%,
-        # grpo-groups +0.1..2.0%, real -1.1..0%; 8 alone preempted 5.6% on one long-cot seed.
         self.min_observations = max(self.min_observations, forecast_after)
+        self.carry_over = carry_over  # weight of earlier passes' lengths when a new pass starts
         self.lengths = CensoredLengths(tail_confidence=tail_confidence)
         # Saved statistics carry earlier runs' lengths: they seed the estimate as earlier passes do (the first
         # pass's start weighs them by carry_over).
         for k, weight in enumerate(self.stats.output_histogram):
             if weight > 0:
                 self.lengths.observe((k + 0.5) * HISTOGRAM_BIN_TOKENS, weight)
-        self.carry_over = carry_over  # weight of earlier passes' lengths when a new pass starts
-        self.cold_start = cold_start
-        self.cold_start_shape = cold_start_shape
-        self._prior_key, self._prior = None, None  # the last cold-start estimate and what it was built from
-        self.admitted_last = 0
-        self.shared_prompt_tokens = 0
-        self.margin_blocks: float | None = None  # kept free against uncertainty at the forecast's closest point
-        # A forecast that admitted nothing is not repeated until something changed: finishes that free what
-        # its first waiting request lacked, or, before STABLE_COUNT finishes, enough finishes to move the
-        # estimate (ESTIMATE_MOVE). Most steps
-        # of a KV-bound pass admit nothing, and the forecast with the description of every running request
-        # was 3-4% of an H100 step.
-        self.shortfall_tokens = 0.0
-        self.freed_tokens = 0.0
-        self.finished_since_forecast = 0
-        self._running_at_forecast: int | None = None
-        # Where the first request left out overshoots (Overshoot): if now, it fits once the cache frees what it
-        # lacked; if later, a finish frees its share of the expected demand there (a request that was to hold 10
-        # tokens then frees 10, whatever it holds now), found by its row in the pass. Counting what finished
-        # requests held instead, 80-90% of the forecasts that followed admitted nothing.
-        self._overshoot: Overshoot | None = None
-        self._overshoot_rows: np.ndarray | None = None  # row in the pass -> index into the overshoot's shares
-        self._overshoot_theta = 0.0
-        self._free_at_forecast: int | None = None  # free KV blocks at the last forecast
-        self.freed_mean, self.freed_var = 0.0, 0.0
-        self._forecast_step = 0  # StepState.step of the last forecast
-        # Preemptions since the last forecast: they free memory the finishes do not count (and widen the margin).
-        self.preempted_since_forecast = 0
-        self._estimate_wait = 1
-        self._estimate_forecast = False
-        # Preemption feedback: theta is scaled down while forecasts admit nothing and nothing was preempted
-        # for a while (the margin sits unused), and up after a preemption.
-        self.margin_feedback = margin_feedback
-        self.margin_scale = 1.0
-        self.quiet_forecasts = 0  # forecasts since the last preemption
         # Sibling updates: a group's finished samples move the estimate of its others within the pass.
-        self.siblings = SiblingLengths() if siblings else None
-        self.informed_rows = 0  # requests whose estimate their siblings moved, at the last forecast
-        self._finished_groups: set[int] = set()  # prompts (groups) with a finished sample in this pass
-        self._finished_grouped = 0  # finished samples that belong to a group, in this pass
+        self.siblings = SiblingLengths() if config.forecast_siblings else None
+        self.margin = MarginFeedback() if config.forecast_margin_feedback else None
+        self.last: Forecast | None = None  # the last forecast (of an earlier pass where since.new_pass)
+        self.since = Since()
+        # Whether the last cap came from a forecast (or the skip that stands by one); False while Algorithm 1
+        # decides (the cold start with cold_start="memory", or nothing waiting).
+        self.forecasting = False
+
+    @property
+    def margin_feedback(self) -> bool:
+        """Whether preemption feedback scales the margin (`MarginFeedback`)."""
+        return self.margin is not None
+
+    def _current(self) -> Forecast | None:
+        """This pass's last forecast (None before its first)."""
+        return None if self.since.new_pass else self.last
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
                          group: int = -1, row: int = -1) -> None:
         super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row)
         if self.siblings is not None:
             self.siblings.observe(group, output_tokens, length_scale)
-        self.lengths.observe(output_tokens / max(length_scale, 1e-6))
-        if group >= 0:
-            self._finished_groups.add(group)
-            self._finished_grouped += 1
-            self.lengths.design_effect = self._finished_grouped / len(self._finished_groups)
-        self.freed_tokens += prompt_tokens + output_tokens  # at most: a group's shared prompt stays while others run
-        self.finished_since_forecast += 1
-        self._pass_finished += 1
-        if self._overshoot_rows is not None and 0 <= row < len(self._overshoot_rows):
-            at = int(self._overshoot_rows[row])
+        self.lengths.observe_finished(output_tokens / max(length_scale, 1e-6), group)
+        since, last = self.since, self._current()
+        since.freed_tokens += prompt_tokens + output_tokens
+        since.finished += 1
+        if last is not None and last.overshoot_rows is not None and 0 <= row < len(last.overshoot_rows):
+            at = int(last.overshoot_rows[row])
             if at >= 0:
-                self.freed_mean += self._overshoot.mean[at]
-                self.freed_var += self._overshoot.var[at]
+                since.freed_mean += last.overshoot.mean[at]
+                since.freed_var += last.overshoot.var[at]
 
     def observe_preempted(self, computed_tokens: int) -> None:
-        self.preempted_since_forecast += 1
+        self.since.preempted += 1
 
-    def _freed_at_overshoot(self) -> float:
+    def _freed_at_overshoot(self, last: Forecast) -> float:
         """How far the finishes since the last forecast lowered its overshoot: their shares of the mean, and of
         theta standard deviations (rows taken as independent)."""
-        total = self._overshoot.total_var
-        return self.freed_mean + self._overshoot_theta * (
-            math.sqrt(total) - math.sqrt(max(total - self.freed_var, 0.0)))
-
-    def _adjust_margin(self) -> None:
-        """Before a forecast: wider after a preemption, narrower after many quiet forecasts of which the last
-        admitted nothing (requests waited while the margin stayed free)."""
-        if self.preempted_since_forecast:
-            self.margin_scale = min(self.margin_scale * MARGIN_WIDEN, MARGIN_SCALE_MAX)
-            self.quiet_forecasts = 0
-        else:
-            self.quiet_forecasts += 1
-            if self.admitted_last == 0 and self.quiet_forecasts > MARGIN_QUIET_FORECASTS:
-                self.margin_scale = max(self.margin_scale * MARGIN_NARROW, MARGIN_SCALE_MIN)
+        total = last.overshoot.total_var
+        return self.since.freed_mean + last.theta * (
+            math.sqrt(total) - math.sqrt(max(total - self.since.freed_var, 0.0)))
 
     def start_pass(self, prior: np.ndarray | None = None) -> None:
         """A new pass. `prior`: the driver's expectation of its lengths, in the units the requests' scales
         define (the previous pass's lengths of the same prompts divided by their new scales); it replaces what
         was observed before, at weight `carry_over` each. Without one, earlier lengths are kept at that weight."""
         super().start_pass(prior)
-        self._running_at_forecast = None
-        self._pass_finished = 0
-        self._finished_groups.clear()
-        self._finished_grouped = 0
-        self.lengths.design_effect = 1.0
-        if prior is None:
-            self.lengths.forget(self.carry_over)
-        else:
-            self.lengths.forget(0.0)
-            for length in np.asarray(prior, dtype=float):
-                self.lengths.observe(length, self.carry_over)
+        self.since.new_pass = True
+        self.lengths.start_pass(self.carry_over, prior)
         if self.siblings is not None:
             self.siblings.start_pass(fresh=self.lengths.count == 0)
-
-    def _observed(self) -> float:
-        """Finished lengths the estimate rests on: a pass's samples of one prompt count once (they run about as
-        long as each other; a GRPO group's 8 short samples, finishing first, once passed for 8 observations and
-        the estimate admitted 197 requests at a mean of 71 tokens); earlier passes at their carried weight."""
-        return self.lengths.count - self._finished_grouped + len(self._finished_groups)
 
     def _forecasting(self, state: StepState) -> bool:
         if not state.num_waiting:
             return False
         if self.cold_start == "gamma":
-            return self._observed() >= self.min_observations or state.pending_max_tokens_mean > 0
+            return self.lengths.observed >= self.min_observations or state.pending_max_tokens_mean > 0
         # "memory": Algorithm 1 until the estimate rests on finished lengths alone (no prior to blend in)
         return self._missing(state) <= 0
 
     def _estimate(self, state: StepState) -> CensoredLengths:
-        """The length estimate to forecast with. Until `forecast_after` have finished (cold start): what has
-        finished plus, weighing the missing observations, a gamma prior whose mean is the unfinished requests'
-        mean max_tokens. Shape 1 is exponential (the spread of a mean alone); larger shapes concentrate the
-        lengths around the mean, towards Algorithm 1's cold start (every request as long as the mean, which
-        holds the whole demand at once and admitted half of what fitted on long-cot). Shape 3: in the
-        simulator with the H100 step model, 0-0.9% recomputed where shape 1 preempted 6% (real lengths: a
-        third at the cap, which a gamma underweights), and 1.0-1.05x the Algorithm 1 cold start elsewhere."""
-        from scipy import stats
-
+        """The length estimate to forecast with: the finished lengths, blended with the cold start's prior
+        (`GammaPrior`) for as many as are still missing."""
         missing = self._missing(state)
         if missing <= 0:
             return self.lengths
-        mean = max(state.pending_max_tokens_mean, 1.0)
-        key = (round(mean / self.lengths.bin_tokens), self.lengths.count, missing)
-        if self._prior_key == key:  # unchanged since the last step: no new finish, same pending mean
-            return self._prior
-        blended = CensoredLengths(self.lengths.bin_tokens, tail="none")
-        edges = np.arange(int(np.ceil(5 * mean / self.lengths.bin_tokens)) + 1) * self.lengths.bin_tokens
-        survival = stats.gamma.sf(edges, self.cold_start_shape, scale=mean / self.cold_start_shape)
-        mass = -np.diff(survival)
-        mass[-1] += survival[-1]
-        finished = self.lengths.finished
-        size = max(len(mass), len(finished))
-        blended.finished = np.pad(mass * missing, (0, size - len(mass))) + np.pad(finished, (0, size - len(finished)))
-        blended.count = self.lengths.count + missing
-        blended.longest_bin = max(self.lengths.longest_bin, len(mass) - 1)
-        self._prior_key, self._prior = key, blended
-        return blended
+        return self.prior.blend(self.lengths, max(state.pending_max_tokens_mean, 1.0), missing)
 
     def _missing(self, state: StepState) -> float:
         """Finished lengths still wanted before the estimate rests on them alone (the prior stands in)."""
         wanted = max(self.min_observations, math.ceil(self.forecast_after_share * state.num_running))
-        return wanted - self._observed()
+        return wanted - self.lengths.observed
 
     def _horizon(self, state: StepState) -> int:
         """Output tokens the forecast looks ahead: all the way (0) once a request of this pass has finished;
         before, while the prior stands in, a share of max_tokens. Not only the first step's forecast: requests
         reach vLLM's engine over its first steps."""
-        if not self.cold_start_horizon or self._pass_finished or self._missing(state) <= 0:
+        if not self.cold_start_horizon or self.lengths.pass_count or self._missing(state) <= 0:
             return 0
         return max(int(self.cold_start_horizon * max(state.pending_max_tokens_mean, 1.0)), 1)
 
     def wants_requests(self, state: StepState) -> bool:
         if not self._forecasting(state):
             return False
-        if self._running_at_forecast is not None and (
-                self.max_cap - state.num_running < state.num_running * HEADROOM_SHARE):
+        last, since = self._current(), self.since
+        if last is not None and self.max_cap - state.num_running < state.num_running * HEADROOM_SHARE:
             return False
-        if self._running_at_forecast is None or self.preempted_since_forecast:
+        if last is None or since.preempted:
             # Running requests that left other than by finishing free memory the finishes do not count.
             return True
-        if self.finished_since_forecast < self._wave_wait:
+        if since.finished < last.wave_wait:
             return False
-        if self.admitted_last and self._overshoot is None:
+        overshoot = last.overshoot
+        if last.admitted and overshoot is None:
             # All it was shown fit: more may (the admitted wait in the cap until scheduled, see batch_cap).
             return self._approved(state) == 0
-        overshoot = self._overshoot
-        if overshoot is not None and not overshoot.tokens_ahead and self._free_at_forecast is not None:
+        if overshoot is not None and not overshoot.tokens_ahead and last.free_blocks is not None:
             # The first request left out does not fit now: it can once the cache has freed what it lacked
             # (finishes, less what running requests wrote since). The estimate plays no part in that.
-            return (state.kv_free_blocks or 0) - self._free_at_forecast > self.shortfall_tokens / state.block_size
-        if overshoot is not None and self._overshoot_rows is not None:
+            return (state.kv_free_blocks or 0) - last.free_blocks > last.shortfall_tokens / state.block_size
+        if overshoot is not None and last.overshoot_rows is not None:
             # It overshoots later: finishes count beyond those the forecast expected by then; once that time
             # has come, the forecast is out of date.
-            ahead = state.step - self._forecast_step
+            ahead = state.step - last.step
             if ahead >= overshoot.tokens_ahead:
                 return True
             expected = _interpolate(ahead, overshoot.expected_ahead, overshoot.expected_gone)
-            if self._freed_at_overshoot() - expected > self.shortfall_tokens:
+            if self._freed_at_overshoot(last) - expected > last.shortfall_tokens:
                 return True
-        elif self.freed_tokens > self.shortfall_tokens:
+        elif since.freed_tokens > last.shortfall_tokens:
             return True
         if self.lengths.count < STABLE_COUNT:
-            # Finishes still move the estimate itself, by more than the memory they free (long-cot in the
-            # simulator lost 3% waiting for the freed tokens alone): enough of them call for a new forecast.
-            if self.finished_since_forecast >= max(1.0, self.lengths.count * ESTIMATE_MOVE) * self._estimate_wait:
-                self._estimate_forecast = True
+            # Finishes still move the estimate itself, by more than the memory they free: enough of them call
+            # for a new forecast.
+            if since.finished >= max(1.0, self.lengths.count * ESTIMATE_MOVE) * last.estimate_wait:
+                since.estimate_called = True
                 return True
         return False
 
     def _approved(self, state: StepState) -> int:
         """Requests the last forecast admitted that the engine has not scheduled yet (its token budget)."""
-        if self._running_at_forecast is None:
+        last = self._current()
+        if last is None:
             return 0
-        return max(self._running_at_forecast + self.admitted_last - state.num_running - self.finished_since_forecast, 0)
+        return max(last.running + last.admitted - state.num_running - self.since.finished, 0)
 
     def steady_until(self) -> float:
         # Between arrivals, admissions, finishes and preemptions nothing wants_requests and batch_cap read
         # changes but the step (where a request left out overshoots later) and the free blocks, which only a
-        # finish or a preemption raises. On an H200 (grpo-groups) ~80% of the steps are such, at 35-40 us each.
+        # finish or a preemption raises: most decode steps need not ask.
         if self.graph is not None:  # its limit moves with each step's latency
             return 0
-        if self._overshoot is not None and self._overshoot.tokens_ahead and self._overshoot_rows is not None:
-            return self._forecast_step + self._overshoot.tokens_ahead
+        last = self.last
+        if last is not None and last.overshoot is not None and last.overshoot.tokens_ahead and (
+                last.overshoot_rows is not None):
+            return last.step + last.overshoot.tokens_ahead
         return math.inf
 
     def waiting_limit(self) -> int | None:
         # Describing the whole queue costs a pass over it each step. Once forecasting, admissions come in waves
-        # of up to ~150 (grpo-groups in the simulator; a limit of 64 there cost 0.9%), and a limit that all
-        # fitted doubles at the next step. The first forecast may admit hundreds.
-        if self.margin_blocks is None:
+        # far smaller than the queue, and a limit that all fitted doubles at the next step. The first forecast
+        # may admit hundreds.
+        if not self.forecasting:
             return None
-        return max(WAITING_LIMIT, 2 * self.admitted_last)
+        return max(WAITING_LIMIT, 2 * self.last.admitted)
+
+    def _informed(self, state: StepState) -> Informed | None:
+        """What the groups' finished samples say of each described request (running, then waiting)."""
+        if self.siblings is None or state.running_group is None:
+            return None
+        return self.siblings.informed(
+            np.concatenate([state.running_group, state.waiting_group]),
+            np.concatenate([state.running_generated, state.waiting_generated]),
+            np.concatenate([np.ones(state.num_running) if state.running_scale is None else state.running_scale,
+                            np.ones(len(state.waiting_group)) if state.waiting_scale is None
+                            else state.waiting_scale]).astype(float), len(state.running_group))
 
     def batch_cap(self, state: StepState) -> int:
         if not self._forecasting(state):
-            self.margin_blocks = None
+            self.forecasting = False
             return super().batch_cap(state)
         if state.running_generated is None:  # skipped: see wants_requests
             self.cap = clamp_cap(state.num_running + self._approved(state), state.num_running, self.min_cap,
                                  self.max_cap)
             return self.cap
-        if self.margin_feedback:
-            self._adjust_margin()
-        informed = None
-        if self.siblings is not None and state.running_group is not None:
-            informed = self.siblings.informed(
-                np.concatenate([state.running_group, state.waiting_group]),
-                np.concatenate([state.running_generated, state.waiting_generated]),
-                np.concatenate([np.ones(state.num_running) if state.running_scale is None else state.running_scale,
-                                np.ones(len(state.waiting_group)) if state.waiting_scale is None
-                                else state.waiting_scale]).astype(float), len(state.running_group))
-            self.informed_rows = 0 if informed is None else int(np.count_nonzero(informed.spread < 1))
-        theta = self.theta * self.margin_scale
-        admit, margin_tokens, self.shortfall_tokens, self._overshoot = expected_demand_admissions(
-            state.running_tokens, state.running_generated, state.waiting_tokens, state.waiting_generated,
-            self._estimate(state), state.kv_capacity_blocks * state.block_size, state.block_size, theta,
-            state.running_scale, state.waiting_scale, state.running_group, state.waiting_group,
-            state.running_shared, state.waiting_shared, informed=informed, with_margin=True,
-            max_output=state.max_tokens_bound, horizon_tokens=self._horizon(state),
-            pointwise_running_peak=self.pointwise_running_peak)
-        self._wave_wait = 0
+        last, since = self.last, self.since
+        theta = self.theta
+        if self.margin is not None:
+            theta = self.theta * self.margin.update(since.preempted > 0, 0 if last is None else last.admitted)
+        informed = self._informed(state)
+        admission = expected_demand_admissions(state, self._estimate(state), theta, informed=informed,
+                                               horizon_tokens=self._horizon(state),
+                                               pointwise_running_peak=self.pointwise_running_peak)
+        admit, wave_wait = admission.count, 0
         if state.num_running and 0 < admit < len(state.waiting_tokens) and admit < self.min_wave * state.num_running:
-            # A wave later: about one request fits per finish, so the next forecast waits for finishes (checking
-            # at each request that fits doubled kv-bound's forecasts, to 2% of an H100's step; WAVE_WAIT).
-            self._wave_wait = WAVE_WAIT * (math.ceil(self.min_wave * state.num_running) - admit)
+            # A wave later: about one request fits per finish, so the next forecast waits for finishes.
+            wave_wait = WAVE_WAIT * (math.ceil(self.min_wave * state.num_running) - admit)
             admit = 0
-        self.margin_blocks = margin_tokens / state.block_size
+        estimate_wait = 1 if last is None else last.estimate_wait
         if admit:
-            self._estimate_wait = 1
-        elif self._estimate_forecast:
-            self._estimate_wait = min(self._estimate_wait * 2, ESTIMATE_WAIT_MAX)
-        self._estimate_forecast = False
-        self.preempted_since_forecast = 0
-        self.admitted_last = admit
-        self._running_at_forecast = state.num_running
-        self._free_at_forecast = state.kv_free_blocks
-        if admit and state.kv_free_blocks is not None:
-            # The admitted take their blocks as they are scheduled: the cache frees what the next request
-            # lacked on top of those.
+            estimate_wait = 1
+        elif since.estimate_called:
+            estimate_wait = min(estimate_wait * 2, ESTIMATE_WAIT_MAX)
+        free_blocks = state.kv_free_blocks
+        if admit and free_blocks is not None:
+            # The admitted take their blocks as they are scheduled.
             own = state.waiting_tokens[:admit] - (0 if state.waiting_shared is None else state.waiting_shared[:admit])
-            self._free_at_forecast -= int(np.sum(-(-own // state.block_size)))
-        self.freed_tokens, self.finished_since_forecast = 0.0, 0
-        self.freed_mean, self.freed_var, self._overshoot_theta = 0.0, 0.0, theta
-        self._forecast_step = state.step
-        self._overshoot_rows = None  # without rows, finishes count what they held (freed_tokens)
-        if self._overshoot is not None and self._overshoot.tokens_ahead and state.running_rows is not None:
-            rows = np.concatenate([state.running_rows, state.waiting_rows])[:len(self._overshoot.mean)]
-            self._overshoot_rows = np.full(int(rows.max(initial=-1)) + 1, -1, dtype=np.int64)
-            self._overshoot_rows[rows] = np.arange(len(rows))
-        if state.running_shared is not None:  # prompt tokens running samples would hold again without sharing
+            free_blocks -= int(np.sum(-(-own // state.block_size)))
+        overshoot, rows = admission.overshoot, None
+        if overshoot is not None and overshoot.tokens_ahead and state.running_rows is not None:
+            described = np.concatenate([state.running_rows, state.waiting_rows])[:len(overshoot.mean)]
+            rows = np.full(int(described.max(initial=-1)) + 1, -1, dtype=np.int64)
+            rows[described] = np.arange(len(described))
+        shared_prompt_tokens = 0
+        if state.running_shared is not None:
             _, holder = np.unique(state.running_group, return_index=True)
-            self.shared_prompt_tokens = int(state.running_shared.sum() - state.running_shared[holder].sum())
+            shared_prompt_tokens = int(state.running_shared.sum() - state.running_shared[holder].sum())
+        self.last = Forecast(
+            step=state.step, running=state.num_running, admitted=admit, free_blocks=free_blocks,
+            margin_blocks=admission.margin_tokens / state.block_size, shortfall_tokens=admission.shortfall_tokens,
+            overshoot=overshoot, overshoot_rows=rows, theta=theta, wave_wait=wave_wait, estimate_wait=estimate_wait,
+            informed_rows=0 if informed is None else int(np.count_nonzero(informed.spread < 1)),
+            shared_prompt_tokens=shared_prompt_tokens)
+        self.since = Since()
+        self.forecasting = True
         self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running,
                              self.min_cap, self.max_cap)
         return self.cap
 
     def trace_fields(self) -> dict:
         fields = super().trace_fields()
-        fields["forecast_admitted"] = self.admitted_last
+        last = self.last
+        fields["forecast_admitted"] = 0 if last is None else last.admitted
         # Where the first request left out overshoots, in tokens ahead of its forecast (0: now; None: all fit).
-        fields["overshoot_tokens_ahead"] = None if self._overshoot is None else self._overshoot.tokens_ahead
-        if self.margin_feedback:
-            fields["margin_scale"] = self.margin_scale
+        overshoot = None if last is None else last.overshoot
+        fields["overshoot_tokens_ahead"] = None if overshoot is None else overshoot.tokens_ahead
+        if self.margin is not None:
+            fields["margin_scale"] = self.margin.scale
         if self.siblings is not None:
-            fields["sibling_informed"] = self.informed_rows
-        if self.margin_blocks is not None:  # while forecasting, the trace's safety buffer is the forecast's margin
-            fields["safety_buffer_blocks"] = self.margin_blocks
-        fields["shared_prompt_tokens"] = self.shared_prompt_tokens  # running prompt tokens counted once, not per sample
+            fields["sibling_informed"] = 0 if last is None else last.informed_rows
+        if self.forecasting:  # while forecasting, the trace's safety buffer is the forecast's margin
+            fields["safety_buffer_blocks"] = self.last.margin_blocks
+        # Running prompt tokens counted once, not per sample.
+        fields["shared_prompt_tokens"] = 0 if last is None else last.shared_prompt_tokens
         return fields

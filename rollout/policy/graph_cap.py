@@ -1,18 +1,18 @@
 """Whether running more requests than the engine's largest CUDA-graph batch makes more tokens per second.
 
 vLLM replays decode steps as CUDA graphs up to a batch size (512 unless configured); a larger decode batch runs
-eagerly, every kernel launched from the host. On H100 hosts with the 8B shape a step of ~1,000 requests took
-37-65 ms against 19-25 ms for 512 (docs/benchmarks.md, stop 16): from as fast as the graph in tokens a second
-to a quarter slower, by machine. So it is measured: decode-only steps near the graph's batch and above it, one
-small probe above it when none ran there. Off by default (`policy.graph_cap`): it tied on those GPUs.
+eagerly, every kernel launched from the host. Whether that pays differs by machine: in tokens a second an eager
+step of twice the graph's batch runs from as fast as the graph to markedly slower (docs/results.md). So it is
+measured: decode-only steps near the graph's batch and above it, one small probe above it when none ran there.
+Off by default (`policy.graph_cap`): it ties on the GPUs measured.
 
 A step's time is taken as a line in its batch, fitted (least squares) to the recent steps below the graph's batch
 and, apart, above it once they span enough batch sizes; the eager line is read at `max_cap`. From the probe
 alone, an eager step of `max_cap` requests is taken as the longer of the probe's step (the host launching
-kernels one by one, which the GPU's work overlaps: on one H100, 35 ms at 518 requests and 37-39 at ~1024) and
-the graph's line read at `max_cap`, all of the graph's step counted per request while its steps span too few
-batch sizes for a line. The cap is held at the graph's batch, for good, when it makes `GRAPH_GAIN` times the
-tokens a second of `max_cap` requests.
+kernels one by one, which the GPU's work overlaps: an eager step just past the graph takes about as long as
+one of twice its batch) and the graph's line read at `max_cap`, all of the graph's step counted per request
+while its steps span too few batch sizes for a line. The cap is held at the graph's batch, for good, when it
+makes `GRAPH_GAIN` times the tokens a second of `max_cap` requests.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import statistics
 from collections import deque
 
 # How many times the larger batch's tokens a second the graph's must make to hold the cap there. A larger batch
-# also starts the queue's requests sooner, which shortens the drain tail: in the simulator, fitted to H100
-# cap-bound runs, a graph 3.6% faster gained 0.2% over the pass; and on the GPU the probe's estimate of a step
-# of 1,024 was ~15% above what such steps took.
+# also starts the queue's requests sooner, which shortens the drain tail (a graph a few percent faster gains
+# far less over a pass), and the probe's estimate of a large eager step runs high (docs/results.md).
 GRAPH_GAIN = 1.15
 
 
@@ -73,8 +72,8 @@ class GraphCap:
             graph_step = intercept + slope * self.graph_batch
             gain = (self.graph_batch / graph_step) / (self.max_cap / self.eager_step_s(slope, intercept))
             # Held for good: the steps grow slower as contexts lengthen, so graph steps read later against the
-            # eager steps of before turned the answer back and forth on the GPU (each turn a wait for the
-            # batch to come down).
+            # eager steps of before would turn the answer back and forth (each turn a wait for the batch to come
+            # down).
             self.held = gain > GRAPH_GAIN
             self.limit = self.graph_batch if self.held else self.max_cap
         return self.limit

@@ -24,8 +24,8 @@ HISTOGRAM_BIN_TOKENS = 16  # the length forecast's bin width (policy/forecast.py
 
 def add_to_bin(bins: list[float], k: int, weight: float) -> None:
     """bins[k] += weight, the list grown (doubled at least) to hold bin k. Plain Python: a finish adds to one bin
-    between the model's steps, with numpy's code cold, where a numpy scalar update cost ~16 us more (CPU, caches
-    evicted before each)."""
+    between the model's steps, with numpy's code out of the CPU's caches, where a numpy scalar update costs
+    several times as much."""
     if k >= len(bins):
         bins.extend([0.0] * (max(k + 1, 2 * len(bins)) - len(bins)))
     bins[k] += weight

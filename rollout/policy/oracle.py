@@ -88,9 +88,8 @@ class OraclePolicy(StaticPolicy):
         super().__init__(config, stats, graph_batch)
         self.cap = self.max_cap
         min_wave = config.forecast_min_wave
-        # Admitting whatever fits at every step trickled prompts into ~580 of kv-bound's 3,600 steps, each out
-        # of the decode-only CUDA graph (H200, stop 27): 11 s of prefill steps against the forecast's 5.5 s,
-        # and the oracle ran 0.89x the forecast it should bound.
+        # Admitting whatever fits at every step trickles prompts into many steps, each out of the decode-only
+        # CUDA graph: the oracle then runs slower than the forecast it should bound (docs/results.md).
         self.min_wave = min_wave
         self._finishes_wanted = 0  # finishes before the next search (0: search at every step)
         self._admitted_up_to = 0  # running requests at the last search plus those it admitted, less finishes since
@@ -107,13 +106,13 @@ class OraclePolicy(StaticPolicy):
         self._admitted_up_to -= 1
 
     def wants_requests(self, state: StepState) -> bool:
-        # True lengths make the future peak exact: until a request finishes the same search gives the same answer
-        # (searching at every step took 5% of an H200's step on kv-bound).
+        # True lengths make the future peak exact: until a request finishes the same search gives the same answer,
+        # and a search at every step costs a sort of the described requests per probe.
         return not state.num_running or self._finishes_wanted <= 0
 
     def waiting_limit(self) -> int | None:
-        # Each step searches the described queue (a sort per probe): all of grpo-groups' 2,048 requests took
-        # 19% of an H100 step. Most steps admit a few; a limit that all fitted doubles at the next step.
+        # Each step searches the described queue (a sort per probe), which costs with the queue's length. Most
+        # steps admit a few; a limit that all fitted doubles at the next step.
         return None if self.admitted_last is None else max(256, 2 * self.admitted_last)
 
     def batch_cap(self, state: StepState) -> int:
@@ -128,8 +127,7 @@ class OraclePolicy(StaticPolicy):
                                   state.running_shared, state.waiting_shared)
         # All it was shown fit (the description stops at the cache's free blocks, or the whole queue, while vLLM's
         # front end is still handing it the pass): more may fit at the next step. Waiting for a finish there
-        # held the first 1-6 requests of each pass alone, the longest for ~4,000 steps (stop 29: grpo-groups'
-        # oracle at 0.89x the forecast, long-cot's at 0.86x).
+        # holds a pass's first few requests alone until the shortest of them ends.
         self._finishes_wanted = 1 if self.min_wave and admit < len(state.waiting_tokens) else 0
         wave = math.ceil(self.min_wave * state.num_running)
         if state.num_running and 0 < admit < len(state.waiting_tokens) and admit < wave:
