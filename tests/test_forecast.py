@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import rollout.policy.forecast as forecast_module
-from rollout.policy import StepState, make_policy
+from rollout.policy import PolicyConfig, StepState, make_policy
 from rollout.policy.forecast import CensoredLengths, ForecastPolicy, expected_demand_admissions, survival_after
 from rollout.policy.oracle import oracle_admissions
 
@@ -280,7 +280,7 @@ def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(mo
         return policy.batch_cap(step(running, described=True))
 
     def fresh() -> ForecastPolicy:
-        policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+        policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
         for n in (100, 120, 140):
             policy.observe_finished(16, n)
         assert forecast(policy, 4) == 4  # 480 tokens of cache, four requests heading for ~130 tokens each
@@ -329,7 +329,7 @@ def test_forecasts_that_the_estimates_move_called_for_and_admitted_nothing_wait_
         return state
 
     monkeypatch.setattr(forecast_module, "ESTIMATE_MOVE", 0.05)
-    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
     for n in range(20):
         policy.observe_finished(16, 100 + n)
     assert policy.wants_requests(step(4)) and policy.batch_cap(step(4, described=True)) == 4
@@ -368,7 +368,7 @@ def test_forecasts_that_the_estimates_move_called_for_and_admitted_nothing_wait_
 def test_requests_a_forecast_admitted_stay_admitted_until_the_engine_schedules_them():
     """The engine's token budget may schedule fewer than a forecast admitted: the cap keeps room for the rest
     without forecasting again, and a forecast that had room for all it was shown looks again once they run."""
-    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
     for n in (10, 12, 14):
         policy.observe_finished(16, n)
     state = StepState(num_running=0, num_waiting=3, kv_capacity_blocks=1000, block_size=16,
@@ -383,7 +383,7 @@ def test_requests_a_forecast_admitted_stay_admitted_until_the_engine_schedules_t
 
 
 def test_a_new_pass_keeps_earlier_lengths_at_a_low_weight_or_takes_the_drivers_prior():
-    policy = ForecastPolicy(0.05, 64, carry_over=0.25)
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, forecast_carry_over=0.25))
     for n in range(100):
         policy.observe_finished(16, 50 + n)
     policy.start_pass()
@@ -403,7 +403,8 @@ def test_saved_statistics_seed_the_estimate_as_an_earlier_pass(tmp_path):
     for n in range(400):
         earlier.observe(16, 200 + n % 100)
     earlier.save(tmp_path / "stats.json")
-    policy = ForecastPolicy(0.05, 64, carry_over=0.25, stats=LengthStats.load(tmp_path / "stats.json"))
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, forecast_carry_over=0.25),
+                            LengthStats.load(tmp_path / "stats.json"))
     assert policy.lengths.count == pytest.approx(400)
     policy.start_pass()  # the first pass of the new run: saved lengths count as an earlier pass
     assert policy.lengths.count == pytest.approx(100)
@@ -447,7 +448,7 @@ def test_prompt_memory_orders_and_scales_the_next_pass(tiny_model, tmp_path):
 
 
 def test_the_forecast_reports_its_margin_as_the_safety_buffer():
-    policy = ForecastPolicy(0.05, 64, forecast_after=8)
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, forecast_after=8))
     rng = np.random.default_rng(3)
     for n in rng.lognormal(np.log(100), 0.5, 200):
         policy.observe_finished(16, int(n))
@@ -587,7 +588,7 @@ def test_forecasting_the_queue_a_prefix_at_a_time_gives_the_whole_queues_answer(
 
 
 def test_the_policy_describes_a_limited_head_of_the_queue_once_forecasting():
-    policy = ForecastPolicy(0.05, 1024)
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=1024))
     assert policy.waiting_limit() is None  # before the first forecast the whole queue may matter
     policy.batch_cap(cold_state())
     assert 0 < policy.last.admitted < 100
@@ -608,8 +609,9 @@ def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_whil
                          running_tokens=np.full(4, 116), running_generated=np.full(4, 100),
                          waiting_tokens=np.full(10, 16), waiting_generated=np.zeros(10, dtype=np.int64))
 
-    fixed = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
-    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2, margin_feedback=True)
+    fixed = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
+                                         forecast_margin_feedback=True))
     for p in (fixed, policy):
         for n in (100, 120, 140):
             p.observe_finished(16, n)
@@ -631,7 +633,7 @@ def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_whil
 
 
 def deterministic_policy(length: int = 200) -> ForecastPolicy:
-    policy = ForecastPolicy(0.05, 64, min_observations=2, forecast_after=2)
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
     for _ in range(50):
         policy.observe_finished(16, length)
     return policy
@@ -689,7 +691,7 @@ def test_a_request_that_overshoots_later_waits_for_finishes_beyond_those_expecte
 
 
 def test_while_the_cap_binds_the_forecast_waits_for_room_worth_admitting_into():
-    policy = ForecastPolicy(0.05, 1024, min_observations=2, forecast_after=2)
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=1024, min_observations=2, forecast_after=2))
     for _ in range(50):
         policy.observe_finished(16, 200)
     first = StepState(num_running=0, num_waiting=2000, kv_capacity_blocks=100_000, block_size=16,

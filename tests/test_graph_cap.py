@@ -73,8 +73,8 @@ def test_bad_sizes_are_rejected():
 
 @pytest.mark.parametrize("name", ["memory", "memory-clt", "forecast"])
 def test_policies_hold_their_cap_at_what_the_graph_cap_allows(name):
-    settings = {"name": name, "b_max": B, "eps_m": 0.05, "graph_batch": G, "graph_cap": True}
-    policy = make_policy(settings)
+    settings = {"name": name, "b_max": B, "eps_m": 0.05, "graph_cap": True}
+    policy = make_policy(settings, graph_batch=G)
     assert policy.max_cap == G and policy.trace_fields()["graph_limit"] == G
     for _ in range(8):
         policy.observe_step(0.020, G, 0)
@@ -82,11 +82,11 @@ def test_policies_hold_their_cap_at_what_the_graph_cap_allows(name):
     for _ in range(8):
         policy.observe_step(0.060, G + 4, 0)
     assert policy.max_cap == G
-    assert make_policy({**settings, "graph_cap": False}).max_cap == B
-    assert make_policy({k: v for k, v in settings.items() if k != "graph_cap"}).max_cap == B  # off by default
-    assert make_policy({**settings, "graph_batch": 0}).max_cap == B  # no CUDA graphs (CPU, enforce_eager)
-    assert make_policy({**settings, "graph_batch": B}).max_cap == B  # every batch is a graph
-    sla = make_policy({**settings, "name": "sla", "d_sla_ms": 50})
+    assert make_policy({**settings, "graph_cap": False}, graph_batch=G).max_cap == B
+    assert make_policy({k: v for k, v in settings.items() if k != "graph_cap"}, graph_batch=G).max_cap == B  # off
+    assert make_policy(settings, graph_batch=0).max_cap == B  # no CUDA graphs (CPU, enforce_eager)
+    assert make_policy(settings, graph_batch=B).max_cap == B  # every batch is a graph
+    sla = make_policy({**settings, "name": "sla", "d_sla_ms": 50}, graph_batch=G)
     for _ in range(8):
         sla.observe_step(0.020, G, 0)
     assert sla.max_cap == G + PROBE  # Algorithm 2's own window still hears the steps
@@ -100,7 +100,7 @@ def cap_bound_requests():
 def run(eager_s: float, graph_cap: bool):
     model = StepTimeModel(base=4e-3, per_seq=3e-5, per_kv_token=0.0, per_prefill_token=1e-5, per_mixed_step=2e-3,
                           graph_batch=G, per_eager_step=eager_s)
-    policy = make_policy({"name": "forecast", "b_max": B, "eps_m": 0.05, "graph_batch": G, "graph_cap": graph_cap})
+    policy = make_policy({"name": "forecast", "b_max": B, "eps_m": 0.05, "graph_cap": graph_cap}, graph_batch=G)
     return simulate(cap_bound_requests(), policy, kv_capacity_blocks=100000, block_size=16, max_num_seqs=B,
                     token_budget=4096, step_time=model, keep_trace=True)
 
@@ -160,16 +160,16 @@ def test_above_the_graph_it_is_decided_again_every_few_eager_steps_not_at_each()
 
 
 def test_a_policy_that_fails_while_probing_falls_back_to_the_configured_cap_not_the_probe():
-    from rollout.policy.policies import FallbackPolicy
+    from rollout.policy import FallbackPolicy
 
-    policy = make_policy({"name": "memory", "b_max": B, "eps_m": 0.05, "graph_batch": G, "graph_cap": True})
+    policy = make_policy({"name": "memory", "b_max": B, "eps_m": 0.05, "graph_cap": True}, graph_batch=G)
     guarded = FallbackPolicy(policy, fallback_cap=B)
     for _ in range(8):
         guarded.observe_step(0.020, G, 0)
     assert policy.max_cap == G + PROBE  # probing
     policy.batch_cap = None  # a bug: the next step's call raises
     assert guarded.batch_cap(SimpleNamespace(num_running=G)) == B
-    held = make_policy({"name": "memory", "b_max": B, "eps_m": 0.05, "graph_batch": G, "graph_cap": True})
+    held = make_policy({"name": "memory", "b_max": B, "eps_m": 0.05, "graph_cap": True}, graph_batch=G)
     guarded = FallbackPolicy(held, fallback_cap=B)
     for latency, batch in [(0.020, G)] * 8 + [(0.060, G + 4)] * 8:
         guarded.observe_step(latency, batch, 0)

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollout.policy import StepState, make_policy
+from rollout.policy import PolicyConfig, StepState, make_policy
 from rollout.policy.oracle import oracle_admissions, peak_kv_tokens
 
 requests = st.lists(st.tuples(st.integers(1, 300), st.integers(0, 200)), min_size=0, max_size=25)
@@ -131,7 +131,7 @@ def test_in_waves_the_oracle_still_preempts_nothing_and_leaves_the_decode_graph_
 
     runs = {}
     for min_wave in (0.0, 0.08):
-        policy = Counting(256, 256, min_wave=min_wave)
+        policy = Counting(PolicyConfig(name="oracle", b_max=256, forecast_min_wave=min_wave))
         result = simulate(requests, policy, kv_capacity_blocks=600, block_size=16, max_num_seqs=256,
                           token_budget=8192, step_time=model)
         assert result.preemptions == 0 and result.generated_tokens == sum(n for _, n in requests)

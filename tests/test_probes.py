@@ -36,7 +36,7 @@ def test_waiting_siblings_go_longest_first_with_unfinished_groups_ahead():
 
 
 def test_in_the_simulator_a_long_groups_siblings_start_before_a_short_ones():
-    from rollout.policy import make_policy
+    from rollout.policy import PolicyConfig, make_policy
     from rollout.sim import StepTimeModel, simulate
 
     model = StepTimeModel(base=5e-3, per_seq=2e-5, per_kv_token=0.0, per_prefill_token=1.7e-5, per_mixed_step=5e-3)
@@ -50,7 +50,8 @@ def test_in_the_simulator_a_long_groups_siblings_start_before_a_short_ones():
         def observe_finished(self, prompt_tokens, output_tokens, length_scale=1.0, group=-1, row=-1):
             finished.append((group, row))
 
-    result = simulate([(*requests[k], g) for k, g in zip(order, probed)], Recording(2, 2), kv_capacity_blocks=1000,
+    policy = Recording(PolicyConfig(name="static", b_max=2))
+    result = simulate([(*requests[k], g) for k, g in zip(order, probed)], policy, kv_capacity_blocks=1000,
                       block_size=16, max_num_seqs=2, token_budget=4096, step_time=model, sibling_order=SiblingOrder())
     assert result.generated_tokens == sum(r[1] for r in requests)
     probes = {row for row in range(4)}  # rows 0-3 of the submitted order are the probes
