@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rollout.config import ConfigError, PolicyConfig, RunConfig, validate
-from rollout.workloads import ProfileConfig, longest_first, profile_requests
+from rollout.workloads import ProfileConfig, longest_first, max_prompt_tokens, profile_requests
 
 GPU_ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True,
               "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
@@ -166,7 +166,7 @@ def scheduler_policy(bench: BenchConfig, scheduler: str) -> dict:
 def bench_run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: str) -> RunConfig:
     """The run configuration of one scheduler on one profile: synthetic prompts, one sample each, lengths
     imposed with ignore_eos."""
-    max_len = bench.max_model_len or (int(profile.prompt_tokens * max(profile.scale, 1)) + profile.max_output + 16)
+    max_len = bench.max_model_len or (max_prompt_tokens(profile) + profile.max_output + 16)
     model_cfg = {"path": model, "max_model_len": max_len, "dtype": bench.dtype if bench.gpu else "float32",
                  "enforce_eager": not bench.gpu, "engine_kwargs": GPU_ENGINE if bench.gpu else {},
                  "enable_prefix_caching": bench.prefix_caching}

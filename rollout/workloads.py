@@ -20,7 +20,7 @@ REAL_LENGTHS = Path(__file__).resolve().parent.parent / "configs" / "bench" / "r
 @dataclass
 class ProfileConfig:
     name: str = "kv-bound"
-    kind: str = "lognormal"  # lognormal | grpo | real
+    kind: str = "lognormal"  # lognormal | grpo | real | mixture
     num_prompts: int = 512
     samples_per_prompt: int = 1
     prompt_tokens: int = 128
@@ -29,7 +29,13 @@ class ProfileConfig:
     sample_sigma: float = 0.35  # grpo: spread of a prompt's samples around its latent length
     max_output: int = 1024
     iterations: int = 1
-    drift: float = 1.25  # grpo: output lengths grow by this factor per iteration
+    drift: float = 1.25  # grpo, mixture: output lengths grow by this factor per iteration
+    # mixture: a share of the prompts (their class fixed per prompt) elicits outputs `long_ratio` times longer,
+    # and grows by `long_drift` more per iteration; prompt lengths spread lognormally by `prompt_sigma`.
+    long_share: float = 0.15
+    long_ratio: float = 10.0
+    long_drift: float = 1.0
+    prompt_sigma: float = 0.0
     scale: float = 1.0  # real: multiply measured lengths
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -40,6 +46,14 @@ class Request:
     prompt: Prompt
     output_tokens: int
     group: int
+
+
+def max_prompt_tokens(profile: ProfileConfig) -> int:
+    """The longest prompt the profile gives (what the engine's context must hold besides max_output): a mixture's
+    spread prompt lengths are cut at 4x their median."""
+    if profile.kind == "mixture":
+        return 4 * profile.prompt_tokens
+    return int(profile.prompt_tokens * max(profile.scale, 1))
 
 
 def _prompt(rng: np.random.Generator, name: str, length: int, vocab: int) -> Prompt:
@@ -72,8 +86,18 @@ def profile_requests(profile: ProfileConfig, iteration: int, seed: int = 0,
             prompt_len, out_len = pairs[pick]
             prompt = _prompt(rng, f"p{i}", int(prompt_len * profile.scale), vocab_size)
             requests.append(Request(prompt, int(np.clip(out_len * profile.scale, 1, cap)), i))
+    elif profile.kind == "mixture":
+        long = base.random(profile.num_prompts) < profile.long_share
+        latent = base.lognormal(np.log(profile.median_output), profile.sigma, profile.num_prompts)
+        latent *= np.where(long, profile.long_ratio * profile.long_drift ** iteration, 1.0) * profile.drift ** iteration
+        prompt_lengths = np.clip(base.lognormal(np.log(profile.prompt_tokens), profile.prompt_sigma, profile.num_prompts),
+                                 1, max_prompt_tokens(profile))
+        prompts = [_prompt(base, f"p{i}", int(prompt_lengths[i]), vocab_size) for i in range(profile.num_prompts)]
+        for i, prompt in enumerate(prompts):
+            samples = rng.lognormal(np.log(latent[i]), profile.sample_sigma, n)
+            requests += [Request(prompt, int(np.clip(s, 1, cap)), i) for s in samples]
     else:
-        raise ValueError(f"unknown workload kind {profile.kind!r} (lognormal, grpo, real)")
+        raise ValueError(f"unknown workload kind {profile.kind!r} (lognormal, grpo, real, mixture)")
     return requests
 
 

@@ -252,3 +252,15 @@ def test_skipping_the_steps_the_forecast_called_steady_changes_nothing(kind, req
         asks.append(count[0])
     assert runs[0] == runs[1]
     assert asks[0] == runs[0][3] and asks[1] < asks[0] / 2
+
+
+def test_the_result_names_the_request_that_finished_the_pass_and_when_it_started():
+    short, long = [(16, 20)] * 12, [(16, 400)]
+    policy = make_policy({"name": "static", "b_max": 4})
+    kwargs = dict(kv_capacity_blocks=1000, block_size=16, max_num_seqs=4, token_budget=4096, step_time=MODEL)
+    last = simulate(short + long, policy, **kwargs).last  # FIFO: the long request starts after the short ones
+    assert last.output_tokens == 400 and last.started_s > 0 and last.recomputed_tokens == last.preemptions == 0
+    first = simulate(long + short, make_policy({"name": "static", "b_max": 4}), **kwargs)
+    assert first.last.output_tokens == 400 and first.last.started_s == 0.0
+    assert first.makespan_s < simulate(short + long, make_policy({"name": "static", "b_max": 4}), **kwargs).makespan_s
+    assert first.last.finished_s == first.makespan_s

@@ -65,6 +65,10 @@ class SimRequest:
     computed: int = 0  # tokens whose KV is in the cache
     blocks: int = 0  # blocks of its own (not the group's shared prompt blocks)
     shared_blocks: int = 0  # the group's prompt blocks it uses while running
+    started_s: float | None = None  # the clock when it was first admitted
+    recomputed: int = 0  # its computed tokens thrown away by preemptions
+    preemptions: int = 0
+    finished_s: float | None = None
 
     @property
     def target(self) -> int:  # tokens held: the prompt and every token generated so far
@@ -76,6 +80,19 @@ class SimRequest:
 
 
 @dataclass
+class CriticalPath:
+    """The request that finished the pass (the last to finish; where a pass is bound by its longest requests'
+    decode, one of them): whatever delayed it delayed the pass. `started_s`: when it was first admitted (its wait); `recomputed_tokens`:
+    what its preemptions threw away; `finished_s - started_s` over `output_tokens`: how fast its steps ran."""
+
+    output_tokens: int
+    started_s: float
+    finished_s: float
+    recomputed_tokens: int
+    preemptions: int
+
+
+@dataclass
 class SimResult:
     makespan_s: float
     generated_tokens: int
@@ -83,6 +100,7 @@ class SimResult:
     recomputed_tokens: int
     steps: int
     trace: list = field(default_factory=list)
+    last: CriticalPath | None = None  # the request that finished the pass
 
     @property
     def tokens_per_s(self) -> float:
@@ -183,6 +201,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                 victim = running.pop()  # vLLM FCFS: the last admitted goes first
                 free += release(victim)
                 recomputed += victim.computed
+                victim.recomputed += victim.computed
+                victim.preemptions += 1
                 policy.observe_preempted(victim.computed)
                 victim.computed = 0
                 waiting.appendleft(victim)
@@ -207,6 +227,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             n = min(r.target - r.computed, budget)
             waiting.popleft()
             running.append(r)
+            if r.started_s is None:
+                r.started_s = clock
             if shared:
                 if not cached:
                     free -= shared  # the first member allocates the group's prompt blocks
@@ -234,6 +256,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             generated += 1
             if r.generated >= r.output_tokens:
                 running.remove(r)
+                r.finished_s = clock
                 finished += 1
                 free += release(r)
                 pending_prompt -= r.prompt_tokens
@@ -247,4 +270,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             late = []
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
-    return SimResult(clock, generated, preemptions, recomputed, steps, trace)
+    last = max(queue, key=lambda r: (r.finished_s, r.output_tokens), default=None)
+    critical = None if last is None else CriticalPath(last.output_tokens, last.started_s, last.finished_s,
+                                                      last.recomputed, last.preemptions)
+    return SimResult(clock, generated, preemptions, recomputed, steps, trace, critical)

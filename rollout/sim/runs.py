@@ -30,6 +30,7 @@ class ProfileRun:
     preemptions: int = 0
     recomputed_tokens: int = 0
     per_iteration_tokens_per_s: list = field(default_factory=list)
+    last: list = field(default_factory=list)  # each iteration's CriticalPath (rollout.sim.engine)
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,4 +85,5 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         run.preemptions += result.preemptions
         run.recomputed_tokens += result.recomputed_tokens
         run.per_iteration_tokens_per_s.append(result.tokens_per_s)
+        run.last.append(result.last)
     return run
