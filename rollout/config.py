@@ -224,7 +224,8 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(message)
 
     choices = sorted(name for name, cls in POLICIES.items() if not cls.benchmark_only)
-    need(p.name in POLICIES or p.name == VLLM_DEFAULT, f"policy.name: unknown policy {p.name!r}; choose one of {choices}")
+    need(p.name in POLICIES or p.name == VLLM_DEFAULT,
+         f"policy.name: unknown policy {p.name!r}; choose one of {choices}")
     need(p.name not in POLICIES or not POLICIES[p.name].benchmark_only or s.ignore_eos,
          f"policy.name={p.name} takes max_tokens as each request's true length: it needs sampling.ignore_eos=true")
     p.validate()

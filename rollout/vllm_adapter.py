@@ -201,7 +201,8 @@ class _DynamicBatchMixin:
         if settings.get("end_with_parent"):
             end_with_parent()
         options = settings.get("stats_options") or {}
-        stats = LengthStats.load(settings["stats_in"], **options) if settings.get("stats_in") else LengthStats(**options)
+        stats_in = settings.get("stats_in")
+        stats = LengthStats.load(stats_in, **options) if stats_in else LengthStats(**options)
         self.max_cap = self.scheduler_config.max_num_seqs
         config = PolicyConfig.from_dict(settings["policy"])
         self.graph_batch = graph_batch(self.vllm_config)

@@ -90,8 +90,8 @@ def profile_requests(profile: ProfileConfig, iteration: int, seed: int = 0,
         long = base.random(profile.num_prompts) < profile.long_share
         latent = base.lognormal(np.log(profile.median_output), profile.sigma, profile.num_prompts)
         latent *= np.where(long, profile.long_ratio * profile.long_drift ** iteration, 1.0) * profile.drift ** iteration
-        prompt_lengths = np.clip(base.lognormal(np.log(profile.prompt_tokens), profile.prompt_sigma, profile.num_prompts),
-                                 1, max_prompt_tokens(profile))
+        spread = base.lognormal(np.log(profile.prompt_tokens), profile.prompt_sigma, profile.num_prompts)
+        prompt_lengths = np.clip(spread, 1, max_prompt_tokens(profile))
         prompts = [_prompt(base, f"p{i}", int(prompt_lengths[i]), vocab_size) for i in range(profile.num_prompts)]
         for i, prompt in enumerate(prompts):
             samples = rng.lognormal(np.log(latent[i]), profile.sample_sigma, n)

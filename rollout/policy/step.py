@@ -124,7 +124,8 @@ def decide(policy, state: StepState, running: Callable[[], Requests], waiting: C
            reorder: Callable[[], None] | None = None, clock: Callable[[], float] | None = None) -> Decision:
     """Ask the policy for this step's cap, in the order both callers follow. `running()` describes the running
     requests; `waiting()` starts a reader of the waiting queue (see `describe_requests`). Where probed groups'
-    waiting siblings are to be put in their place (`sibling_order.dirty`, rollout.policy.probes), `reorder()` does it; it runs only
+    waiting siblings are to be put in their place (`sibling_order.dirty`, rollout.policy.probes), `reorder()` does
+    it; it runs only
     where the policy reads the queue's head or the cap admits from it (a first pass's probes finish ~100 times
     between admission waves, and each reordering walks the queue). `clock` times the description."""
     wants_requests = policy.wants_requests(state)

@@ -82,8 +82,8 @@ class SimRequest:
 @dataclass
 class CriticalPath:
     """The request that finished the pass (the last to finish; where a pass is bound by its longest requests'
-    decode, one of them): whatever delayed it delayed the pass. `started_s`: when it was first admitted (its wait); `recomputed_tokens`:
-    what its preemptions threw away; `finished_s - started_s` over `output_tokens`: how fast its steps ran."""
+    decode, one of them): whatever delayed it delayed the pass. `started_s`: when it was first admitted (its
+    wait); `recomputed_tokens`: what its preemptions threw away; `finished_s - started_s` over `output_tokens`: how fast its steps ran."""
 
     output_tokens: int
     started_s: float
