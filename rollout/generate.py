@@ -65,31 +65,39 @@ def exit_on_interrupt(message: str, grace_s: float = 2.0):
     the engine process), the signal went to another thread, and the KeyboardInterrupt was lost: the run went on
     to the end. The signal still reaches Python's wakeup fd, read here by a thread: if the main thread has not
     left the block `grace_s` later, print `message`, kill the engine's processes (nothing is generated yet; one
-    still waiting for its handshake would wait 5 minutes for a parent gone) and exit 130."""
+    still waiting for its handshake would wait 5 minutes for a parent gone) and exit 130. If it left the block in
+    time without a KeyboardInterrupt (code in the block caught it), one is raised as the block ends."""
     import psutil
 
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     previous = signal.set_wakeup_fd(write_fd)
     left = threading.Event()
+    interrupted = threading.Event()
 
     def watch() -> None:
         while data := os.read(read_fd, 64):
-            if signal.SIGINT in data and not left.wait(grace_s):
-                print(message, file=sys.stderr, flush=True)
-                for child in psutil.Process().children(recursive=True):
-                    with suppress(psutil.Error):
-                        child.kill()
-                os._exit(EXIT_INTERRUPTED)
+            if signal.SIGINT in data:
+                interrupted.set()
+                if not left.wait(grace_s):
+                    print(message, file=sys.stderr, flush=True)
+                    for child in psutil.Process().children(recursive=True):
+                        with suppress(psutil.Error):
+                            child.kill()
+                    os._exit(EXIT_INTERRUPTED)
         os.close(read_fd)
 
-    threading.Thread(target=watch, name="startup-interrupt", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="startup-interrupt", daemon=True)
+    watcher.start()
     try:
         yield
     finally:
         left.set()
         signal.set_wakeup_fd(previous)
-        os.close(write_fd)  # the watcher reads its end and stops
+        os.close(write_fd)  # the watcher reads what is left of its end and stops
+        watcher.join(timeout=grace_s)
+    if interrupted.is_set():
+        raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resuming: {len(done)} of {len(order)} samples already in {store.samples_path}", file=sys.stderr)
     else:
         (out_dir / TRACE_FILE).unlink(missing_ok=True)
-    (out_dir / "config.yaml").write_text(to_yaml(cfg))
     trace = []
     try:
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))  # inside: a Ctrl-C from here on stops the run cleanly
         if cfg.model.data_parallel_size > 1:
             from rollout.parallel import generate_parallel
 
