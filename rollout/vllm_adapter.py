@@ -208,13 +208,12 @@ class _DynamicBatchMixin:
         self.graph_batch = graph_batch(self.vllm_config)
         self.batch_policy = FallbackPolicy(make_policy(config, stats, self.graph_batch),
                                            min(config.static_cap or self.max_cap, self.max_cap))
-        self._cap_attr = CAP_ATTR
         self.kv_capacity_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
         self.stats_out = settings.get("stats_out")
         self.trace = TraceWriter(settings["trace_path"])
         self.trace.event({"event": "start", "policy": self.batch_policy.name,
                           "kv_capacity_blocks": self.kv_capacity_blocks, "block_size": self.block_size,
-                          "max_cap": self.max_cap, "graph_batch": self.graph_batch, "cap_attr": self._cap_attr,
+                          "max_cap": self.max_cap, "graph_batch": self.graph_batch, "cap_attr": CAP_ATTR,
                           "stats_count": self.batch_policy.stats.count})
         self._prior_path = self.trace.path.with_name(PASS_PRIOR_FILE)
         self.timer = StepTimer(detail=settings.get("timing", True))
@@ -303,7 +302,7 @@ class _DynamicBatchMixin:
             # Wall time includes waits for the GIL, which the engine core's I/O threads hold at times; CPU time
             # is what the policy itself costs.
             policy_cpu_s = cpu() - started_cpu if cpu else None
-        setattr(self, self._cap_attr, self._cap)
+        setattr(self, CAP_ATTR, self._cap)
         self._recomputed = 0
         step_start = time.monotonic()
         base_started = time.perf_counter()

@@ -1,6 +1,5 @@
 import pytest
 
-import json
 
 from rollout.data import DataError, extract_final_answer, load_rows, prepare_prompts
 
