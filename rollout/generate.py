@@ -95,7 +95,7 @@ def exit_on_interrupt(message: str, grace_s: float = 2.0):
         left.set()
         signal.set_wakeup_fd(previous)
         os.close(write_fd)  # the watcher reads what is left of its end and stops
-        watcher.join(timeout=grace_s)
+        watcher.join(timeout=60)  # a loaded host may not run it for a while; it ends once it reads the end
     if interrupted.is_set():
         raise KeyboardInterrupt
 
@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         done = store.open()
     except (ConfigError, DataError, ModelError, StoreError, OSError) as exc:
         return fail(str(exc))
+    except KeyboardInterrupt:
+        print("interrupted before generating: nothing new was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
     from rollout.engine import TRACE_FILE, RolloutEngine
     from rollout.report import plot_trace
@@ -129,13 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / TRACE_FILE).unlink(missing_ok=True)
     trace = []
     try:
-        (out_dir / "config.yaml").write_text(to_yaml(cfg))  # inside: a Ctrl-C from here on stops the run cleanly
         if cfg.model.data_parallel_size > 1:
             from rollout.parallel import generate_parallel
 
+            (out_dir / "config.yaml").write_text(to_yaml(cfg))  # inside: a Ctrl-C from here on stops cleanly
             summary = generate_parallel(cfg, prompts, out_dir, done, store.append, cfg.model.data_parallel_size)
         else:
+            # Watched from before config.yaml is written: a Ctrl-C that Python delivers where it is swallowed (a
+            # finalizer the garbage collector runs prints "Exception ignored" and goes on) is still seen.
             with exit_on_interrupt(interrupted(store, order)):
+                (out_dir / "config.yaml").write_text(to_yaml(cfg))
                 engine = RolloutEngine(cfg, out_dir)
             with engine:
                 result = engine.generate(prompts, progress=cfg.output.progress, done=done, sink=store.append)

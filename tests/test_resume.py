@@ -76,6 +76,22 @@ def session_processes(session):
 HANG_S = 600
 
 
+def outliving(session) -> list[str]:
+    """The names (and states) of the session's processes still running once they end or HANG_S pass. An engine process that
+    has exited counts as ended even while nobody has reaped it yet: orphaned by the kill, it waits as a zombie for
+    the init process, which is slow to reap in some containers (psutil's waits count a zombie as running)."""
+    deadline = time.monotonic() + HANG_S
+    while (alive := session_processes(session)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    names = []
+    for proc in alive:
+        try:
+            names.append(f"{proc.name()} ({proc.status()})")
+        except psutil.NoSuchProcess:
+            pass
+    return names
+
+
 def run_until(cmd, out, ready, sig):
     """Run the command and send it `sig` as soon as `ready()` holds (the run's progress, polled). The signal goes
     to the command alone (a SIGKILL as the OOM killer sends it). Returns its exit status, its output, whether
@@ -93,8 +109,7 @@ def run_until(cmd, out, ready, sig):
                 else:
                     time.sleep(0.2)
             proc.wait(timeout=HANG_S)
-            _, alive = psutil.wait_procs(session_processes(proc.pid), timeout=HANG_S)
-            left = [p.name() for p in alive]
+            left = outliving(proc.pid)
         finally:
             # Whatever is left, or a run that outlived the wait: it would run on through the tests after it.
             try:
