@@ -35,7 +35,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from rollout.policy import FallbackPolicy, LengthStats, PolicyConfig, StepState, make_policy
 from rollout.policy.probes import SiblingOrder, reorder_siblings
-from rollout.policy.step import GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, shared_prompt_blocks
+from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, promote_from_tail,
+                                 shared_prompt_blocks)
 from rollout.trace import StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
 from rollout.vllm_compat import check_scheduler_hooks
 
@@ -341,9 +342,13 @@ class _DynamicBatchMixin:
             queue = iter(self.waiting)
             return lambda n: passing.requests(list(itertools.islice(queue, n)))
 
+        reorderable = isinstance(self.waiting, deque)  # priority scheduling: vLLM's heap keeps its own order
         return decide(self.batch_policy, state, lambda: passing.requests(list(self.running)), waiting_reader,
                       max_num_seqs=self.max_cap, shape=passing.shape, max_step_tokens=self._max_step_tokens,
-                      sibling_order=passing.sibling_order, reorder=self._reorder_waiting, clock=self.timer.cpu)
+                      sibling_order=passing.sibling_order, reorder=self._reorder_waiting, clock=self.timer.cpu,
+                      tail=(lambda n: passing.requests(list(itertools.islice(reversed(self.waiting), n))))
+                      if reorderable else None,
+                      promote=(lambda picks: promote_from_tail(self.waiting, picks)) if reorderable else None)
 
     def _reorder_waiting(self) -> None:
         """A probed group's first sample finished: its waiting siblings move to their place (longest first)."""

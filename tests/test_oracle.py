@@ -169,3 +169,32 @@ def test_requests_that_reach_the_engine_after_its_first_step_wait_for_no_finish_
     assert runs[3].trace[0][1] == 3  # the simulator's engine held three requests at its first step
     assert runs[3].trace[1][1] > 3  # and admitted more at the next, with the longest of the three far from done
     assert runs[3].makespan_s < runs[None].makespan_s * 1.01
+
+
+@given(requests, requests, st.integers(0, 5000))
+def test_backfill_takes_each_tail_request_that_still_fits_beside_the_running_and_those_taken(running, tail, capacity):
+    from rollout.policy.oracle import oracle_backfill
+
+    arr = lambda xs, i: np.array([x[i] for x in xs], dtype=np.int64)  # noqa: E731
+    picks = oracle_backfill(arr(running, 0), arr(running, 1), arr(tail, 0), arr(tail, 1), capacity, 1)
+    taken: list[int] = []
+    for k in range(len(tail)):  # first fit, by the brute-force peak
+        rows = taken + [k]
+        peak = brute_peak(arr(running, 0).tolist() + arr(tail, 0)[rows].tolist(),
+                          arr(running, 1).tolist() + arr(tail, 1)[rows].tolist(), 1)
+        if peak <= capacity:
+            taken.append(k)
+    assert picks == taken
+
+
+def test_a_blocked_long_head_lets_the_short_tail_in_and_never_preempts():
+    # One long request runs; the next long cannot fit beside it at its peak. Short requests at the queue's end
+    # end long before the running one needs the memory: the oracle admits them ahead of the blocked head.
+    policy = make_policy({"name": "oracle", "b_max": 64, "forecast_min_wave": 0.0})
+    state = StepState(num_running=1, num_waiting=5, kv_capacity_blocks=100, block_size=16,
+                      running_tokens=np.array([200]), running_remaining=np.array([1200]),
+                      waiting_tokens=np.array([100]), waiting_remaining=np.array([1500]),
+                      tail_tokens=np.array([50, 50, 50, 50]), tail_remaining=np.array([40, 40, 40, 2000]),
+                      tail_rows=np.arange(4))
+    assert policy.batch_cap(state) == 1 + 3
+    assert policy.backfill() == [0, 1, 2]  # the fourth is as long as the head: it does not fit either

@@ -176,3 +176,39 @@ def test_decide_clamps_whatever_the_policy_answers():
         state = StepState(num_running=running, num_waiting=4, kv_capacity_blocks=10, block_size=16)
         assert decide(policy, state, None, None, max_num_seqs=8, shape=PassShape()).cap == expected
     assert (PROMPT, MAX_TOKENS, GROUP, SHARED) == (0, 1, 2, 3)
+
+
+def test_promoting_tail_requests_moves_them_to_the_front_in_the_order_given():
+    from collections import deque
+
+    from rollout.policy.step import promote_from_tail
+
+    queue = deque("abcdefg")
+    promote_from_tail(queue, [0, 3, 1])  # g, d, f
+    assert list(queue) == list("gdfabce")
+    promote_from_tail(queue, [])
+    assert list(queue) == list("gdfabce")
+
+
+def test_the_tail_is_described_only_for_a_backfill_where_the_head_stops_short_of_the_queue():
+    waiting = waiting_of([100] * 40)
+
+    def tail_reader(n):
+        rows = np.arange(39, 39 - n, -1)
+        return Requests(waiting.generated[rows], waiting.rows[rows], waiting.table[rows])
+
+    state = StepState(num_running=0, num_waiting=40, kv_capacity_blocks=64, block_size=16, kv_free_blocks=7)
+    describe_requests(state, waiting.head(0), reader(waiting), max_num_seqs=64, waiting_limit=None,
+                      shape=PassShape(), true_lengths=True, read_tail=tail_reader)
+    head = len(state.waiting_rows)
+    assert head == 2 and state.tail_rows.tolist() == list(range(39, 39 - 32, -1))  # TAIL_LIMIT, last first
+    assert state.tail_remaining.tolist() == [100] * 32
+    short = waiting_of([10] * 3)
+    whole = StepState(num_running=0, num_waiting=3, kv_capacity_blocks=64, block_size=16, kv_free_blocks=60)
+    describe_requests(whole, short.head(0), reader(short), max_num_seqs=64, waiting_limit=None,
+                      shape=PassShape(), true_lengths=False, read_tail=tail_reader)
+    assert len(whole.waiting_rows) == 3 and whole.tail_rows is None  # the head is the whole queue
+    headroom = StepState(num_running=0, num_waiting=40, kv_capacity_blocks=64, block_size=16, kv_free_blocks=7)
+    describe_requests(headroom, waiting.head(0), reader(waiting), max_num_seqs=5, waiting_limit=None,
+                      shape=PassShape(), true_lengths=False, read_tail=tail_reader)
+    assert len(headroom.tail_rows) == 3  # the cap's headroom bounds head and tail together

@@ -64,13 +64,23 @@ class StepState:
     # Each request's row in its pass (the number `observe_finished` is given when it ends).
     running_rows: Any = None
     waiting_rows: Any = None
+    # For a policy that `backfills`, where the head above does not reach the queue's end: its last requests, the
+    # last first (the shortest-predicted where the queue is longest first), which the policy may admit ahead of
+    # the head (`Policy.backfill`). The same columns as the waiting head's; None where not described.
+    tail_tokens: Any = None
+    tail_generated: Any = None
+    tail_remaining: Any = None
+    tail_scale: Any = None
+    tail_group: Any = None
+    tail_shared: Any = None
+    tail_rows: Any = None
 
 
 class Policy(ABC):
     """A batch-size policy: asked for the admission cap at a step, told what happens.
 
     Calls, per step where the policy is asked (see `steady_until`): `wants_requests`, `waiting_limit` (only if it
-    wants requests), `batch_cap`, `token_budget`, `steady_until`; after the step, `observe_step`; the finishes of a
+    wants requests), `batch_cap`, `backfill` (only where the tail was described), `token_budget`, `steady_until`; after the step, `observe_step`; the finishes of a
     step are told together (`observe_finished`) before the next step asks. The caller clamps the cap to
     [running, b_max] and never lets it evict: lowering it only stops admissions.
     """
@@ -82,6 +92,8 @@ class Policy(ABC):
     reads_true_lengths: ClassVar[bool] = False
     # Benchmark references: valid only where max_tokens imposes each request's true length (ignore_eos).
     benchmark_only: ClassVar[bool] = False
+    # Whether the StepState carries the queue's tail (`tail_*`) where the head is blocked, for `backfill`.
+    backfills: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, stats: LengthStats | None = None, graph_batch: int = 0) -> None:
         self.config = config
@@ -110,6 +122,14 @@ class Policy(ABC):
         """At most how many waiting requests (the queue's head) the per-request arrays describe; None: as many as
         the cap could admit."""
         return None
+
+    def backfill(self) -> list[int]:
+        """The tail requests (indices into the last StepState's `tail_*`) that the last `batch_cap`'s cap counts
+        on top of the head's admissions: the caller moves them to the queue's front, in this order, so that they
+        are admitted first. Backfilling lets short requests use the memory a blocked head request (a long one,
+        where the queue is longest first) cannot yet: the head keeps its place, and they end before it needs that
+        memory. [] by default."""
+        return []
 
     def token_budget(self, max_step_tokens: int, num_running: int) -> int | None:
         """This step's token budget (chunked prefill), or None to leave vLLM's as configured."""
@@ -157,7 +177,7 @@ def make_policy(config: PolicyConfig | dict, stats: LengthStats | None = None, g
 
 # The methods FallbackPolicy guards, and what each answers once the policy has failed inside it.
 _GUARDED = {"start_pass": None, "wants_requests": False, "steady_until": 0, "waiting_limit": None,
-            "token_budget": None, "observe_finished": None, "observe_step": None, "observe_preempted": None}
+            "backfill": [], "token_budget": None, "observe_finished": None, "observe_step": None, "observe_preempted": None}
 
 
 class FallbackPolicy:

@@ -608,11 +608,12 @@ class Admission(NamedTuple):
     margin_tokens: float  # kept free against uncertainty where the admitted demand comes closest to the cache
     shortfall_tokens: float  # how far the first request not admitted would overshoot the cache (0: all fit)
     overshoot: Overshoot | None = None  # where it does (None: all fit)
+    backfill: tuple = ()  # the tail requests (StepState.tail_* indices) admitted beside them, where `backfill`
 
 
 def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta: float, *,
                                informed: Informed | None = None, horizon_tokens: int = 0,
-                               pointwise_running_peak: bool = True) -> Admission:
+                               pointwise_running_peak: bool = True, backfill: bool = False) -> Admission:
     """How many waiting requests of the step `state` describes (a prefix, in queue order) fit: at every future
     time (in bins of output tokens), the expected KV demand of running and admitted requests plus theta standard
     deviations stays within the cache. A request holding c tokens demands c + t (plus a partly used block) at t
@@ -629,7 +630,9 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     SiblingLengths). `horizon_tokens` (0: none): look only this many output tokens ahead (the cold start's first
     wave). `pointwise_running_peak=False`: the running requests alone must fit with their largest expected
     demand plus theta times their largest standard deviation, wherever each falls (stricter than the test
-    admissions pass)."""
+    admissions pass). `backfill`: where the queue's head stops short of what was described, the described tail
+    (`StepState.tail_*`, `informed` rows after the waiting ones) is tried in its order, each request admitted
+    beside those before it that fit by the same test (first fit; `Admission.backfill`)."""
     running_tokens, running_generated = state.running_tokens, state.running_generated
     waiting_tokens, waiting_generated = state.waiting_tokens, state.waiting_generated
     running_scale, waiting_scale = state.running_scale, state.waiting_scale
@@ -643,19 +646,36 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     held_now = float(running_tokens.sum() - (running_shared.sum() if sharing else 0)) + np.cumsum(
         own_waiting + block_size - 1)
     fit_now = int(np.searchsorted(held_now, capacity_tokens, side="right"))
+    described = len(waiting_tokens)
     waiting_tokens, waiting_generated = waiting_tokens[:fit_now + 1], waiting_generated[:fit_now + 1]
     if sharing:
         waiting_group, waiting_shared = waiting_group[:fit_now + 1], waiting_shared[:fit_now + 1]
+    if waiting_scale is not None:
+        waiting_scale = waiting_scale[:fit_now + 1]
+    head = len(waiting_tokens)
+    # The tail's rows follow the head's in every array below; the head's admission reads only the head's.
+    tail = len(state.tail_tokens) if backfill and state.tail_tokens is not None else 0
+    if tail:
+        waiting_tokens = np.concatenate([waiting_tokens, state.tail_tokens])
+        waiting_generated = np.concatenate([waiting_generated, state.tail_generated])
+        if sharing:
+            waiting_group = np.concatenate([waiting_group, state.tail_group])
+            waiting_shared = np.concatenate([waiting_shared, state.tail_shared])
+        if waiting_scale is not None or state.tail_scale is not None:
+            waiting_scale = np.concatenate([np.ones(head) if waiting_scale is None else waiting_scale,
+                                            np.ones(tail) if state.tail_scale is None else state.tail_scale])
     generated = np.concatenate([running_generated, waiting_generated]).astype(float)
     scale = None
     if running_scale is not None or waiting_scale is not None:
         scale = np.concatenate([np.ones(len(running_generated)) if running_scale is None else running_scale,
                                 np.ones(len(waiting_generated)) if waiting_scale is None else
-                                waiting_scale[:fit_now + 1]]).astype(float)
+                                waiting_scale]).astype(float)
     if informed is not None:
         if scale is None:
             scale = np.ones(len(generated))
-        informed = _rows(informed, np.arange(len(generated)))  # the waiting rows cut above
+        n_running = len(running_generated)  # the waiting rows cut above, then the tail's
+        informed = _rows(informed, np.concatenate([np.arange(n_running + head),
+                                                   n_running + described + np.arange(tail)]))
     bins, reach = lengths.reach(_to_estimate(generated, scale, informed))
     # Far enough ahead for the longest-predicted request to end, at most ~MAX_POINTS future times checked.
     longest = 1.0 if scale is None else max(scale.max(initial=1.0), 1.0)
@@ -718,7 +738,7 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     # while all of it fits (a row's demand does not depend on later rows, so the answer is the same).
     window = FIRST_WINDOW
     while True:
-        considered = min(window, len(waiting_tokens))
+        considered = min(window, head)
         mean, var = demand(n + considered)
         base_mean, base_var = mean[:n].sum(axis=0), var[:n].sum(axis=0)
         base_upper = base_mean + theta * np.sqrt(base_var)
@@ -733,16 +753,39 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
         upper = total_mean + theta * np.sqrt(total_var)
         fits = (upper <= capacity_tokens).all(axis=1)
         admit = int(np.argmin(fits)) if not fits.all() else len(fits)  # demand grows with m: the first misfit ends it
-        if admit < considered or considered == len(waiting_tokens):
+        if admit < considered or considered == head:
             break
         window *= 4
     peak, over = 0.0, None
     if admit < considered:  # the first request left out
         peak = float(upper[admit].max(initial=0.0))
         over = (mean[:n + admit + 1], var[:n + admit + 1], total_var[admit], upper[admit])
-    if admit == 0:
-        return result(0, base_mean, base_var, peak, over)
-    return result(admit, total_mean[admit - 1], total_var[admit - 1], peak, over)
+    admitted_mean, admitted_var = (base_mean, base_var) if admit == 0 else (total_mean[admit - 1],
+                                                                            total_var[admit - 1])
+    answer = result(admit, admitted_mean, admitted_var, peak, over)
+    if tail and admit < head:
+        mean, var = demand(n + head + tail)
+        # The first request left out keeps its place (EASY backfilling): its demand from the earliest future
+        # time it fits at, which a backfilled request must leave room for. Without one the tail's short
+        # requests, each fitting now, would keep a long head request out for good.
+        blocked_mean, blocked_var = mean[n + admit], var[n + admit]
+        reserved_mean = reserved_var = None
+        for start in range(1, len(steps)):
+            shifted_mean, shifted_var = np.zeros(len(steps)), np.zeros(len(steps))
+            shifted_mean[start:], shifted_var[start:] = blocked_mean[:-start], blocked_var[:-start]
+            if (admitted_mean + shifted_mean + theta * np.sqrt(admitted_var + shifted_var) <= capacity_tokens).all():
+                reserved_mean, reserved_var = shifted_mean, shifted_var
+                break
+        picks = []
+        if reserved_mean is not None:  # it fits nowhere ahead: nothing may take memory it may need
+            for k in range(tail):
+                row = n + head + k
+                with_mean, with_var = admitted_mean + mean[row], admitted_var + var[row]
+                if (with_mean + reserved_mean + theta * np.sqrt(with_var + reserved_var) <= capacity_tokens).all():
+                    picks.append(k)
+                    admitted_mean, admitted_var = with_mean, with_var
+        answer = answer._replace(backfill=tuple(picks))
+    return answer
 
 
 class GammaPrior:
@@ -818,6 +861,10 @@ class Forecast:
     estimate_wait: int  # the next forecast the estimate's move calls for waits this many times as long
     informed_rows: int  # requests whose estimate their siblings moved
     shared_prompt_tokens: int  # prompt tokens running samples would hold again without prefix sharing
+    # The head was blocked with the queue's tail described (a backfill was tried): a finish may let more of the
+    # tail fit beside it, whatever the head still lacks.
+    backfilling: bool = False
+    backfilled: int = 0  # tail requests it admitted
 
 
 @dataclass
@@ -891,6 +938,8 @@ class ForecastPolicy(MemoryPolicy):
         # Whether the last cap came from a forecast (or the skip that stands by one); False while Algorithm 1
         # decides (the cold start with cold_start="memory", or nothing waiting).
         self.forecasting = False
+        self.backfills = config.forecast_backfill
+        self.picks: list[int] = []
 
     @property
     def margin_feedback(self) -> bool:
@@ -976,6 +1025,8 @@ class ForecastPolicy(MemoryPolicy):
             return True
         if since.finished < last.wave_wait:
             return False
+        if last.backfilling and since.finished:
+            return True
         overshoot = last.overshoot
         if last.admitted and overshoot is None:
             # All it was shown fit: more may (the admitted wait in the cap until scheduled, see batch_cap).
@@ -1034,14 +1085,16 @@ class ForecastPolicy(MemoryPolicy):
         """What the groups' finished samples say of each described request (running, then waiting)."""
         if self.siblings is None or state.running_group is None:
             return None
+        sides = ["running", "waiting"] + (["tail"] if state.tail_group is not None else [])
+        groups = [getattr(state, f"{side}_group") for side in sides]
         return self.siblings.informed(
-            np.concatenate([state.running_group, state.waiting_group]),
-            np.concatenate([state.running_generated, state.waiting_generated]),
-            np.concatenate([np.ones(state.num_running) if state.running_scale is None else state.running_scale,
-                            np.ones(len(state.waiting_group)) if state.waiting_scale is None
-                            else state.waiting_scale]).astype(float), len(state.running_group))
+            np.concatenate(groups), np.concatenate([getattr(state, f"{side}_generated") for side in sides]),
+            np.concatenate([np.ones(len(group)) if getattr(state, f"{side}_scale") is None
+                            else getattr(state, f"{side}_scale") for side, group in zip(sides, groups)]).astype(float),
+            len(state.running_group))
 
     def batch_cap(self, state: StepState) -> int:
+        self.picks: list[int] = []  # the tail requests this cap counts (`backfill`)
         if not self._forecasting(state):
             self.forecasting = False
             return super().batch_cap(state)
@@ -1056,22 +1109,28 @@ class ForecastPolicy(MemoryPolicy):
         informed = self._informed(state)
         admission = expected_demand_admissions(state, self._estimate(state), theta, informed=informed,
                                                horizon_tokens=self._horizon(state),
-                                               pointwise_running_peak=self.pointwise_running_peak)
-        admit, wave_wait = admission.count, 0
-        if state.num_running and 0 < admit < len(state.waiting_tokens) and admit < self.min_wave * state.num_running:
+                                               pointwise_running_peak=self.pointwise_running_peak,
+                                               backfill=self.backfills)
+        admit, picks, wave_wait = admission.count, list(admission.backfill), 0
+        blocked = admit < len(state.waiting_tokens)
+        if state.num_running and blocked and 0 < admit + len(picks) < self.min_wave * state.num_running:
             # A wave later: about one request fits per finish, so the next forecast waits for finishes.
-            wave_wait = WAVE_WAIT * (math.ceil(self.min_wave * state.num_running) - admit)
-            admit = 0
+            wave_wait = WAVE_WAIT * (math.ceil(self.min_wave * state.num_running) - admit - len(picks))
+            admit, picks = 0, []
+        self.picks = picks
         estimate_wait = 1 if last is None else last.estimate_wait
         if admit:
             estimate_wait = 1
         elif since.estimate_called:
             estimate_wait = min(estimate_wait * 2, ESTIMATE_WAIT_MAX)
         free_blocks = state.kv_free_blocks
-        if admit and free_blocks is not None:
+        if (admit or picks) and free_blocks is not None:
             # The admitted take their blocks as they are scheduled.
             own = state.waiting_tokens[:admit] - (0 if state.waiting_shared is None else state.waiting_shared[:admit])
             free_blocks -= int(np.sum(-(-own // state.block_size)))
+            if picks:
+                own = state.tail_tokens[picks] - (0 if state.tail_shared is None else state.tail_shared[picks])
+                free_blocks -= int(np.sum(-(-own // state.block_size)))
         overshoot, rows = admission.overshoot, None
         if overshoot is not None and overshoot.tokens_ahead and state.running_rows is not None:
             described = np.concatenate([state.running_rows, state.waiting_rows])[:len(overshoot.mean)]
@@ -1082,21 +1141,26 @@ class ForecastPolicy(MemoryPolicy):
             _, holder = np.unique(state.running_group, return_index=True)
             shared_prompt_tokens = int(state.running_shared.sum() - state.running_shared[holder].sum())
         self.last = Forecast(
-            step=state.step, running=state.num_running, admitted=admit, free_blocks=free_blocks,
+            step=state.step, running=state.num_running, admitted=admit + len(picks), free_blocks=free_blocks,
             margin_blocks=admission.margin_tokens / state.block_size, shortfall_tokens=admission.shortfall_tokens,
             overshoot=overshoot, overshoot_rows=rows, theta=theta, wave_wait=wave_wait, estimate_wait=estimate_wait,
             informed_rows=0 if informed is None else int(np.count_nonzero(informed.spread < 1)),
-            shared_prompt_tokens=shared_prompt_tokens)
+            shared_prompt_tokens=shared_prompt_tokens, backfilling=state.tail_tokens is not None and blocked,
+            backfilled=len(picks))
         self.since = Since()
         self.forecasting = True
-        self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running,
-                             self.min_cap, self.max_cap)
+        self.cap = clamp_cap(state.num_running + max(admit + len(picks), 0 if state.num_running else 1),
+                             state.num_running, self.min_cap, self.max_cap)
         return self.cap
+
+    def backfill(self) -> list[int]:
+        return self.picks
 
     def trace_fields(self) -> dict:
         fields = super().trace_fields()
         last = self.last
         fields["forecast_admitted"] = 0 if last is None else last.admitted
+        fields["backfilled"] = 0 if last is None else last.backfilled
         # Where the first request left out overshoots, in tokens ahead of its forecast (0: now; None: all fit).
         overshoot = None if last is None else last.overshoot
         fields["overshoot_tokens_ahead"] = None if overshoot is None else overshoot.tokens_ahead

@@ -46,6 +46,15 @@ def _with_shared_prompts(tokens, remaining, group, shared):
     return tokens - shared, fixed, until
 
 
+def _peak(tokens, remaining, block_size, group=None, shared=None) -> float:
+    """`peak_kv_tokens` of requests; with groups and shared prompt tokens, a group's shared blocks count once."""
+    tokens = np.asarray(tokens, dtype=float)
+    fixed = until = None
+    if shared is not None:
+        tokens, fixed, until = _with_shared_prompts(tokens, remaining, group, np.asarray(shared, dtype=float))
+    return peak_kv_tokens(tokens, remaining, block_size, fixed, until)
+
+
 def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray, waiting_tokens: np.ndarray,
                       waiting_remaining: np.ndarray, capacity_tokens: float, block_size: int,
                       running_group=None, waiting_group=None, running_shared=None, waiting_shared=None) -> int:
@@ -54,14 +63,10 @@ def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray,
     sharing = running_shared is not None and waiting_shared is not None
 
     def fits(m: int) -> bool:
-        tokens = np.concatenate([running_tokens, waiting_tokens[:m]]).astype(float)
-        remaining = np.concatenate([running_remaining, waiting_remaining[:m]])
-        fixed = until = None
-        if sharing:
-            tokens, fixed, until = _with_shared_prompts(
-                tokens, remaining, np.concatenate([running_group, waiting_group[:m]]),
-                np.concatenate([running_shared, waiting_shared[:m]]).astype(float))
-        return peak_kv_tokens(tokens, remaining, block_size, fixed, until) <= capacity_tokens
+        return _peak(np.concatenate([running_tokens, waiting_tokens[:m]]),
+                     np.concatenate([running_remaining, waiting_remaining[:m]]), block_size,
+                     np.concatenate([running_group, waiting_group[:m]]) if sharing else None,
+                     np.concatenate([running_shared, waiting_shared[:m]]) if sharing else None) <= capacity_tokens
 
     lo, hi = 0, len(waiting_tokens)  # the peak grows with m: binary search for the largest m that fits
     while lo < hi:
@@ -73,6 +78,23 @@ def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray,
     return lo
 
 
+def oracle_backfill(tokens: np.ndarray, remaining: np.ndarray, tail_tokens: np.ndarray, tail_remaining: np.ndarray,
+                    capacity_tokens: float, block_size: int, group=None, shared=None, tail_group=None,
+                    tail_shared=None) -> list[int]:
+    """The tail requests (indices, first fit in the order given) that fit beside the requests `tokens` and
+    `remaining` describe (the running and those admitted) without the peak exceeding capacity; with groups and
+    shared prompt tokens, as `oracle_admissions`."""
+    sharing = shared is not None and tail_shared is not None
+    picks: list[int] = []
+    for k in range(len(tail_tokens)):
+        rows = picks + [k]
+        if _peak(np.concatenate([tokens, tail_tokens[rows]]), np.concatenate([remaining, tail_remaining[rows]]),
+                 block_size, np.concatenate([group, tail_group[rows]]) if sharing else None,
+                 np.concatenate([shared, tail_shared[rows]]) if sharing else None) <= capacity_tokens:
+            picks.append(k)
+    return picks
+
+
 @register
 class OraclePolicy(StaticPolicy):
     """Cap = running + the waiting requests whose true lengths still fit the cache at its future peak, admitted in
@@ -82,7 +104,9 @@ class OraclePolicy(StaticPolicy):
     needs_requests = True
     reads_true_lengths = True
     benchmark_only = True
+    backfills = True
     admitted_last: int | None = None
+    picks: list[int] = []
 
     def __init__(self, config, stats=None, graph_batch: int = 0) -> None:
         super().__init__(config, stats, graph_batch)
@@ -121,21 +145,36 @@ class OraclePolicy(StaticPolicy):
         if state.waiting_tokens is None:  # no search this step: only what the last one admitted may start
             self.cap = clamp_cap(self._admitted_up_to, state.num_running, 1, self.max_cap)
             return self.cap
+        capacity = state.kv_capacity_blocks * state.block_size
         admit = oracle_admissions(state.running_tokens, state.running_remaining, state.waiting_tokens,
-                                  state.waiting_remaining, state.kv_capacity_blocks * state.block_size,
-                                  state.block_size, state.running_group, state.waiting_group,
-                                  state.running_shared, state.waiting_shared)
+                                  state.waiting_remaining, capacity, state.block_size, state.running_group,
+                                  state.waiting_group, state.running_shared, state.waiting_shared)
+        self.picks = []
+        if state.tail_tokens is not None and admit < len(state.waiting_tokens):  # the head is blocked
+            sharing = state.running_shared is not None
+            self.picks = oracle_backfill(
+                np.concatenate([state.running_tokens, state.waiting_tokens[:admit]]),
+                np.concatenate([state.running_remaining, state.waiting_remaining[:admit]]),
+                state.tail_tokens, state.tail_remaining, capacity, state.block_size,
+                np.concatenate([state.running_group, state.waiting_group[:admit]]) if sharing else None,
+                np.concatenate([state.running_shared, state.waiting_shared[:admit]]) if sharing else None,
+                state.tail_group, state.tail_shared)
         # All it was shown fit (the description stops at the cache's free blocks, or the whole queue, while vLLM's
         # front end is still handing it the pass): more may fit at the next step. Waiting for a finish there
         # holds a pass's first few requests alone until the shortest of them ends.
         self._finishes_wanted = 1 if self.min_wave and admit < len(state.waiting_tokens) else 0
         wave = math.ceil(self.min_wave * state.num_running)
-        if state.num_running and 0 < admit < len(state.waiting_tokens) and admit < wave:
+        blocked = admit < len(state.waiting_tokens)
+        admit += len(self.picks)
+        if state.num_running and 0 < admit and blocked and admit < wave:
             self._finishes_wanted = wave - admit  # about a request fits per finish
-            admit = 0
+            admit, self.picks = 0, []
         self.admitted_last = admit
         self._admitted_up_to = state.num_running + admit
         # Admit at least one request into an empty engine, or nothing would ever run.
         self.cap = clamp_cap(state.num_running + max(admit, 0 if state.num_running else 1), state.num_running, 1,
                              self.max_cap)
         return self.cap
+
+    def backfill(self) -> list[int]:
+        return self.picks

@@ -21,6 +21,8 @@ NUM_COLUMNS = 5
 # The waiting queue is read in growing chunks: the cut at the free KV usually comes early, and a queue of
 # thousands read whole at every asked step would cost more than the policy.
 FIRST_CHUNK = 16
+# Tail requests described for backfilling, at most: a backfill admits the few that fit beside the blocked head.
+TAIL_LIMIT = 32
 
 
 def shared_prompt_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -62,13 +64,26 @@ class PassShape:
     scaled: bool = False
 
 
+def promote_from_tail(queue, picks: list[int]) -> None:
+    """Move the requests of a deque `queue` at `picks` (positions from its end, 0: the last) to its front, in
+    the order of `picks` (a policy's `backfill`)."""
+    n = len(queue)
+    chosen = [queue[n - 1 - i] for i in picks]
+    for i in sorted(picks):  # nearest the end first: the positions of those still to delete stay put
+        del queue[n - 1 - i]
+    queue.extendleft(reversed(chosen))
+
+
 def describe_requests(state: StepState, running: Requests, read_waiting: Callable[[int], Requests], *,
-                      max_num_seqs: int, waiting_limit: int | None, shape: PassShape, true_lengths: bool) -> None:
+                      max_num_seqs: int, waiting_limit: int | None, shape: PassShape, true_lengths: bool,
+                      read_tail: Callable[[int], Requests] | None = None) -> None:
     """Fill the StepState's per-request arrays. `read_waiting(n)` gives the next n waiting requests in queue order
     (fewer at the queue's end). Waiting requests are shown up to the cap's headroom (and `waiting_limit`) and only
     as far as their tokens fit the free KV, plus one: the first that does not fit tells the policy what admission
     waits for. A group's prompt blocks are held once (prefix caching): counted per sample, the cut showed the policy
-    one waiting request a step while groups ran, and it admitted one sample a step, each step a prefill."""
+    one waiting request a step while groups ran, and it admitted one sample a step, each step a prefill.
+    `read_tail(n)` (a policy that backfills): the last n waiting requests, the last first; up to TAIL_LIMIT of
+    them are shown (`tail_*`) where the head stops before the queue's end and the cap has room for more."""
     free_tokens = state.kv_free_blocks * state.block_size
     grouped = shape.grouped
     if grouped:
@@ -98,7 +113,11 @@ def describe_requests(state: StepState, running: Requests, read_waiting: Callabl
             held[group[:keep][group[:keep] >= 0]] = True
         free_tokens -= need[keep - 1]
     waiting = concat(parts)
-    for side, requests in (("running", running), ("waiting", waiting)):
+    sides = [("running", running), ("waiting", waiting)]
+    tail = min(TAIL_LIMIT, state.num_waiting - len(waiting.rows), headroom - len(waiting.rows))
+    if read_tail is not None and tail > 0:
+        sides.append(("tail", read_tail(tail)))
+    for side, requests in sides:
         generated, table = requests.generated, requests.table
         setattr(state, f"{side}_tokens", table[:, PROMPT].astype(np.int64) + generated)
         setattr(state, f"{side}_generated", generated)
@@ -121,26 +140,38 @@ class Decision(NamedTuple):
 
 def decide(policy, state: StepState, running: Callable[[], Requests], waiting: Callable[[], Callable[[int], Requests]],
            *, max_num_seqs: int, shape: PassShape, max_step_tokens: int | None = None, sibling_order=None,
-           reorder: Callable[[], None] | None = None, clock: Callable[[], float] | None = None) -> Decision:
+           reorder: Callable[[], None] | None = None, clock: Callable[[], float] | None = None,
+           tail: Callable[[int], Requests] | None = None,
+           promote: Callable[[list[int]], None] | None = None) -> Decision:
     """Ask the policy for this step's cap, in the order both callers follow. `running()` describes the running
     requests; `waiting()` starts a reader of the waiting queue (see `describe_requests`). Where probed groups'
     waiting siblings are to be put in their place (`sibling_order.dirty`, rollout.policy.probes), `reorder()` does
     it; it runs only
     where the policy reads the queue's head or the cap admits from it (a first pass's probes finish ~100 times
-    between admission waves, and each reordering walks the queue). `clock` times the description."""
+    between admission waves, and each reordering walks the queue). `clock` times the description. `tail(n)`: the
+    last n waiting requests, the last first, and `promote(picks)` moves those at `picks` (positions from the end)
+    to the queue's front: for a policy that `backfills` (None: the queue cannot be reordered, no backfill)."""
     wants_requests = policy.wants_requests(state)
     if sibling_order is not None and sibling_order.dirty and wants_requests:
         reorder()
     describe_s = None
     if wants_requests:
         started = clock() if clock is not None else 0.0
+        backfills = policy.backfills and tail is not None and promote is not None
         describe_requests(state, running(), waiting(), max_num_seqs=max_num_seqs,
-                          waiting_limit=policy.waiting_limit(), shape=shape, true_lengths=policy.reads_true_lengths)
+                          waiting_limit=policy.waiting_limit(), shape=shape, true_lengths=policy.reads_true_lengths,
+                          read_tail=tail if backfills else None)
         if clock is not None:
             describe_s = clock() - started
     cap = min(max(policy.batch_cap(state), state.num_running, 1), max_num_seqs)
+    reordered = False
     if sibling_order is not None and sibling_order.dirty and cap > state.num_running:
         reorder()
+        reordered = True
+    if state.tail_rows is not None:
+        picks = policy.backfill()
+        if picks and not reordered:  # a reordering moved the described tail: its positions no longer hold
+            promote(picks)
     budget = None
     if max_step_tokens is not None:
         budget = policy.token_budget(max_step_tokens, state.num_running)

@@ -21,7 +21,8 @@ import numpy as np
 
 from rollout.policy import StepState
 from rollout.policy.probes import SiblingOrder, reorder_siblings
-from rollout.policy.step import NUM_COLUMNS, PassShape, Requests, StepGate, decide, shared_prompt_blocks
+from rollout.policy.step import (NUM_COLUMNS, PassShape, Requests, StepGate, decide, promote_from_tail,
+                                 shared_prompt_blocks)
 
 
 @dataclass
@@ -187,7 +188,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
                               pending_max_tokens_mean=pending_max / pending, max_tokens_bound=max_tokens_bound)
             decision = decide(policy, state, lambda: describe(running), waiting_reader, max_num_seqs=max_num_seqs,
                               shape=shape, max_step_tokens=token_budget, sibling_order=sibling_order,
-                              reorder=reorder)
+                              reorder=reorder, tail=lambda n: describe(list(itertools.islice(reversed(waiting), n))),
+                              promote=lambda picks: promote_from_tail(waiting, picks))
             gate.answered(events, decision)
             cap = decision.cap
             step_budget = token_budget if decision.token_budget is None else max(decision.token_budget, 1)

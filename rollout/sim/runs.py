@@ -31,6 +31,7 @@ class ProfileRun:
     recomputed_tokens: int = 0
     per_iteration_tokens_per_s: list = field(default_factory=list)
     last: list = field(default_factory=list)  # each iteration's CriticalPath (rollout.sim.engine)
+    traces: list = field(default_factory=list)  # each iteration's step trace, with keep_trace (rollout.sim.engine)
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,7 +48,8 @@ def scheduler_settings(bench: BenchConfig, name: str) -> dict:
 
 
 def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,
-                     kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384) -> ProfileRun:
+                     kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384,
+                     keep_trace: bool = False) -> ProfileRun:
     settings = scheduler_settings(bench, name)
     probes = settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
     policy = make_policy(settings, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
@@ -74,7 +76,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                           max_num_seqs=int(settings["b_max"]), token_budget=token_budget, step_time=step_time,
                           prior_lengths=prior, nominal_max_tokens=profile.max_output,
                           sibling_order=SiblingOrder() if probes else None,
-                          requests_at_first_step=REQUESTS_AT_FIRST_STEP)
+                          requests_at_first_step=REQUESTS_AT_FIRST_STEP, keep_trace=keep_trace)
         by_prompt: dict[str, list[int]] = {}
         for key, r in zip(keys, requests):
             by_prompt.setdefault(key, []).append(r.output_tokens)
@@ -86,4 +88,5 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         run.recomputed_tokens += result.recomputed_tokens
         run.per_iteration_tokens_per_s.append(result.tokens_per_s)
         run.last.append(result.last)
+        run.traces.append(result.trace)
     return run
