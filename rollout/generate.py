@@ -132,16 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / TRACE_FILE).unlink(missing_ok=True)
     trace = []
     try:
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))  # inside: a Ctrl-C from here on stops the run cleanly
         if cfg.model.data_parallel_size > 1:
             from rollout.parallel import generate_parallel
 
-            (out_dir / "config.yaml").write_text(to_yaml(cfg))  # inside: a Ctrl-C from here on stops cleanly
             summary = generate_parallel(cfg, prompts, out_dir, done, store.append, cfg.model.data_parallel_size)
         else:
-            # Watched from before config.yaml is written: a Ctrl-C that Python delivers where it is swallowed (a
-            # finalizer the garbage collector runs prints "Exception ignored" and goes on) is still seen.
             with exit_on_interrupt(interrupted(store, order)):
-                (out_dir / "config.yaml").write_text(to_yaml(cfg))
                 engine = RolloutEngine(cfg, out_dir)
             with engine:
                 result = engine.generate(prompts, progress=cfg.output.progress, done=done, sink=store.append)

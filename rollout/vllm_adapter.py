@@ -35,7 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from rollout.policy import FallbackPolicy, LengthStats, PolicyConfig, StepState, make_policy
 from rollout.policy.probes import SiblingOrder, reorder_siblings
-from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, promote_from_tail,
+from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, promote_to_front,
                                  shared_prompt_blocks)
 from rollout.trace import StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
 from rollout.vllm_compat import check_scheduler_hooks
@@ -348,7 +348,7 @@ class _DynamicBatchMixin:
                       sibling_order=passing.sibling_order, reorder=self._reorder_waiting, clock=self.timer.cpu,
                       tail=(lambda n: passing.requests(list(itertools.islice(reversed(self.waiting), n))))
                       if reorderable else None,
-                      promote=(lambda picks: promote_from_tail(self.waiting, picks)) if reorderable else None)
+                      promote=(lambda picks: promote_to_front(self.waiting, picks)) if reorderable else None)
 
     def _reorder_waiting(self) -> None:
         """A probed group's first sample finished: its waiting siblings move to their place (longest first)."""

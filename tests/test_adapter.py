@@ -358,6 +358,25 @@ def test_a_finished_probe_moves_its_groups_waiting_siblings(build, probed):
     assert admitted == (["a0", "b0", "b1", "b2", "c", "a1", "a2"] if probed else names)
 
 
+
+# Backfill
+
+
+def test_short_requests_behind_a_blocked_long_one_run_beside_the_running_long_one(build):
+    """The oracle (true lengths from max_tokens): L1 is admitted; L2, as long, cannot join it before L1 ends
+    (their peaks would overflow the cache). The short requests behind L2 can: they move to the queue's front and
+    run beside L1 while L2 keeps its place; nothing is preempted."""
+    scheduler = build({"name": "oracle", "b_max": 8, "forecast_min_wave": 0.0}, num_blocks=17, max_num_seqs=8)
+    names = ["L1", "L2", "s1", "s2"]
+    lengths = {"L1": 150, "L2": 150, "s1": 8, "s2": 8}
+    run = Run(scheduler, [request(name, 20, lengths[name]) for name in names])
+    started: list[str] = []
+    for _ in run.steps():
+        started += [r.request_id for r in scheduler.running if r.request_id not in started]
+    assert started == ["s1", "s2", "L1", "L2"]  # the first step: the short ones moved ahead of L1's admission
+    assert run.finished == 4 and run.preempted == 0
+
+
 # Preemption
 
 

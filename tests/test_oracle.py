@@ -197,4 +197,4 @@ def test_a_blocked_long_head_lets_the_short_tail_in_and_never_preempts():
                       tail_tokens=np.array([50, 50, 50, 50]), tail_remaining=np.array([40, 40, 40, 2000]),
                       tail_rows=np.arange(4))
     assert policy.batch_cap(state) == 1 + 3
-    assert policy.backfill() == [0, 1, 2]  # the fourth is as long as the head: it does not fit either
+    assert policy.backfill() == [-1, -2, -3]  # queue positions, the last first; the fourth fits no better

@@ -92,6 +92,13 @@ def outliving(session) -> list[str]:
     return names
 
 
+def default_sigint() -> None:
+    """In the child before it runs the command: SIGINT as a terminal's Ctrl-C finds it. A test run started in the
+    background (`pytest ... &`, as some CI runners start it) ignores SIGINT, its children inherit that, and Python
+    keeps an inherited ignore: the command would never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_until(cmd, out, ready, sig):
     """Run the command and send it `sig` as soon as `ready()` holds (the run's progress, polled). The signal goes
     to the command alone (a SIGKILL as the OOM killer sends it). Returns its exit status, its output, whether
@@ -99,7 +106,8 @@ def run_until(cmd, out, ready, sig):
     (the engine's, had they not ended with it), once they end or HANG_S pass."""
     log_path = out.parent / f"run-{time.monotonic_ns()}.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=default_sigint)
         try:
             signalled = False
             while not signalled and proc.poll() is None:

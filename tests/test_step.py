@@ -178,16 +178,16 @@ def test_decide_clamps_whatever_the_policy_answers():
     assert (PROMPT, MAX_TOKENS, GROUP, SHARED) == (0, 1, 2, 3)
 
 
-def test_promoting_tail_requests_moves_them_to_the_front_in_the_order_given():
+def test_promoted_requests_move_to_the_front_in_the_order_given():
     from collections import deque
 
-    from rollout.policy.step import promote_from_tail
+    from rollout.policy.step import promote_to_front
 
     queue = deque("abcdefg")
-    promote_from_tail(queue, [0, 3, 1])  # g, d, f
-    assert list(queue) == list("gdfabce")
-    promote_from_tail(queue, [])
-    assert list(queue) == list("gdfabce")
+    promote_to_front(queue, [-1, 2, -4, -2])  # g, c, d, f
+    assert list(queue) == list("gcdfabe")
+    promote_to_front(queue, [])
+    assert list(queue) == list("gcdfabe")
 
 
 def test_the_tail_is_described_only_for_a_backfill_where_the_head_stops_short_of_the_queue():

@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+import numpy as np
+
 from rollout.policy.config import PolicyConfig
 from rollout.policy.length_stats import LengthStats
 
@@ -66,7 +68,8 @@ class StepState:
     waiting_rows: Any = None
     # For a policy that `backfills`, where the head above does not reach the queue's end: its last requests, the
     # last first (the shortest-predicted where the queue is longest first), which the policy may admit ahead of
-    # the head (`Policy.backfill`). The same columns as the waiting head's; None where not described.
+    # the head, as it may the head's own later rows (`Policy.backfill`). The waiting head's columns; None where
+    # not described.
     tail_tokens: Any = None
     tail_generated: Any = None
     tail_remaining: Any = None
@@ -74,6 +77,22 @@ class StepState:
     tail_group: Any = None
     tail_shared: Any = None
     tail_rows: Any = None
+
+
+def backfill_candidates(state: StepState, admitted: int) -> tuple[list[int], dict]:
+    """Where the head's first `admitted` waiting requests are admitted and the next is not: the later rows of the
+    described head, then the tail's (the last first), as queue positions (`Policy.backfill`), and their columns
+    (`tokens`, `generated`, `remaining`, `scale`, `group`, `shared`: those the StepState carries)."""
+    later = np.arange(admitted + 1, len(state.waiting_tokens))
+    positions = later.tolist()
+    tail = 0 if state.tail_tokens is None else len(state.tail_tokens)
+    positions += [-1 - j for j in range(tail)]
+    columns = {}
+    for name in ("tokens", "generated", "remaining", "scale", "group", "shared"):
+        head, end = getattr(state, f"waiting_{name}"), getattr(state, f"tail_{name}")
+        if head is not None:
+            columns[name] = head[later] if end is None else np.concatenate([head[later], end])
+    return positions, columns
 
 
 class Policy(ABC):
@@ -92,7 +111,7 @@ class Policy(ABC):
     reads_true_lengths: ClassVar[bool] = False
     # Benchmark references: valid only where max_tokens imposes each request's true length (ignore_eos).
     benchmark_only: ClassVar[bool] = False
-    # Whether the StepState carries the queue's tail (`tail_*`) where the head is blocked, for `backfill`.
+    # Whether the policy admits past a blocked head (`backfill`); the StepState then carries the queue's tail.
     backfills: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, stats: LengthStats | None = None, graph_batch: int = 0) -> None:
@@ -124,11 +143,11 @@ class Policy(ABC):
         return None
 
     def backfill(self) -> list[int]:
-        """The tail requests (indices into the last StepState's `tail_*`) that the last `batch_cap`'s cap counts
-        on top of the head's admissions: the caller moves them to the queue's front, in this order, so that they
-        are admitted first. Backfilling lets short requests use the memory a blocked head request (a long one,
-        where the queue is longest first) cannot yet: the head keeps its place, and they end before it needs that
-        memory. [] by default."""
+        """The waiting requests that the last `batch_cap`'s cap counts on top of the head's admissions, as queue
+        positions: k for the described head's row k (`waiting_*`), -1 - j for the tail's row j (`tail_*`, -1 the
+        last). The caller moves them to the queue's front, in this order, so that they are admitted first.
+        Backfilling lets requests that fit use the memory a blocked head request (a long one, where the queue is
+        longest first) cannot use yet, while the head keeps its place. [] by default."""
         return []
 
     def token_budget(self, max_step_tokens: int, num_running: int) -> int | None:

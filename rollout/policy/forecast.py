@@ -608,7 +608,7 @@ class Admission(NamedTuple):
     margin_tokens: float  # kept free against uncertainty where the admitted demand comes closest to the cache
     shortfall_tokens: float  # how far the first request not admitted would overshoot the cache (0: all fit)
     overshoot: Overshoot | None = None  # where it does (None: all fit)
-    backfill: tuple = ()  # the tail requests (StepState.tail_* indices) admitted beside them, where `backfill`
+    backfill: tuple = ()  # queue positions of the requests admitted past the first left out (`Policy.backfill`)
 
 
 def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta: float, *,
@@ -630,9 +630,10 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     SiblingLengths). `horizon_tokens` (0: none): look only this many output tokens ahead (the cold start's first
     wave). `pointwise_running_peak=False`: the running requests alone must fit with their largest expected
     demand plus theta times their largest standard deviation, wherever each falls (stricter than the test
-    admissions pass). `backfill`: where the queue's head stops short of what was described, the described tail
-    (`StepState.tail_*`, `informed` rows after the waiting ones) is tried in its order, each request admitted
-    beside those before it that fit by the same test (first fit; `Admission.backfill`)."""
+    admissions pass). `backfill`: where a request of the head is left out, the head's later requests and then
+    the described tail (`StepState.tail_*`, `informed` rows after the waiting ones) are tried in that order, each
+    admitted if it fits by the same test beside those before it and the left-out request's demand from the
+    earliest time it fits (first fit; `Admission.backfill`)."""
     running_tokens, running_generated = state.running_tokens, state.running_generated
     waiting_tokens, waiting_generated = state.waiting_tokens, state.waiting_generated
     running_scale, waiting_scale = state.running_scale, state.waiting_scale
@@ -763,11 +764,11 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     admitted_mean, admitted_var = (base_mean, base_var) if admit == 0 else (total_mean[admit - 1],
                                                                             total_var[admit - 1])
     answer = result(admit, admitted_mean, admitted_var, peak, over)
-    if tail and admit < head:
+    if backfill and admit < head:
         mean, var = demand(n + head + tail)
         # The first request left out keeps its place (EASY backfilling): its demand from the earliest future
-        # time it fits at, which a backfilled request must leave room for. Without one the tail's short
-        # requests, each fitting now, would keep a long head request out for good.
+        # time it fits at, which a backfilled request must leave room for. Without one the short requests
+        # behind it, each fitting now, would keep a long head request out for good.
         blocked_mean, blocked_var = mean[n + admit], var[n + admit]
         reserved_mean = reserved_var = None
         for start in range(1, len(steps)):
@@ -778,11 +779,12 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
                 break
         picks = []
         if reserved_mean is not None:  # it fits nowhere ahead: nothing may take memory it may need
-            for k in range(tail):
-                row = n + head + k
+            # The head's later rows, then the tail's (the last first), as queue positions.
+            candidates = [(n + k, k) for k in range(admit + 1, head)] + [(n + head + j, -1 - j) for j in range(tail)]
+            for row, position in candidates:
                 with_mean, with_var = admitted_mean + mean[row], admitted_var + var[row]
                 if (with_mean + reserved_mean + theta * np.sqrt(with_var + reserved_var) <= capacity_tokens).all():
-                    picks.append(k)
+                    picks.append(position)
                     admitted_mean, admitted_var = with_mean, with_var
         answer = answer._replace(backfill=tuple(picks))
     return answer
@@ -861,10 +863,10 @@ class Forecast:
     estimate_wait: int  # the next forecast the estimate's move calls for waits this many times as long
     informed_rows: int  # requests whose estimate their siblings moved
     shared_prompt_tokens: int  # prompt tokens running samples would hold again without prefix sharing
-    # The head was blocked with the queue's tail described (a backfill was tried): a finish may let more of the
-    # tail fit beside it, whatever the head still lacks.
+    # The head was blocked and a backfill tried: a finish may let more requests fit beside the one left out,
+    # whatever that one still lacks.
     backfilling: bool = False
-    backfilled: int = 0  # tail requests it admitted
+    backfilled: int = 0  # requests it admitted past the one left out
 
 
 @dataclass
@@ -1128,9 +1130,11 @@ class ForecastPolicy(MemoryPolicy):
             # The admitted take their blocks as they are scheduled.
             own = state.waiting_tokens[:admit] - (0 if state.waiting_shared is None else state.waiting_shared[:admit])
             free_blocks -= int(np.sum(-(-own // state.block_size)))
-            if picks:
-                own = state.tail_tokens[picks] - (0 if state.tail_shared is None else state.tail_shared[picks])
-                free_blocks -= int(np.sum(-(-own // state.block_size)))
+            for position in picks:
+                side, k = ("waiting", position) if position >= 0 else ("tail", -1 - position)
+                shared = getattr(state, f"{side}_shared")
+                own = getattr(state, f"{side}_tokens")[k] - (0 if shared is None else shared[k])
+                free_blocks -= int(-(-own // state.block_size))
         overshoot, rows = admission.overshoot, None
         if overshoot is not None and overshoot.tokens_ahead and state.running_rows is not None:
             described = np.concatenate([state.running_rows, state.waiting_rows])[:len(overshoot.mean)]
@@ -1145,7 +1149,7 @@ class ForecastPolicy(MemoryPolicy):
             margin_blocks=admission.margin_tokens / state.block_size, shortfall_tokens=admission.shortfall_tokens,
             overshoot=overshoot, overshoot_rows=rows, theta=theta, wave_wait=wave_wait, estimate_wait=estimate_wait,
             informed_rows=0 if informed is None else int(np.count_nonzero(informed.spread < 1)),
-            shared_prompt_tokens=shared_prompt_tokens, backfilling=state.tail_tokens is not None and blocked,
+            shared_prompt_tokens=shared_prompt_tokens, backfilling=self.backfills and blocked,
             backfilled=len(picks))
         self.since = Since()
         self.forecasting = True

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from rollout.policy.memory import clamp_cap
-from rollout.policy.base import StepState, register
+from rollout.policy.base import StepState, backfill_candidates, register
 from rollout.policy.policies import StaticPolicy
 
 
@@ -78,19 +78,20 @@ def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray,
     return lo
 
 
-def oracle_backfill(tokens: np.ndarray, remaining: np.ndarray, tail_tokens: np.ndarray, tail_remaining: np.ndarray,
-                    capacity_tokens: float, block_size: int, group=None, shared=None, tail_group=None,
-                    tail_shared=None) -> list[int]:
-    """The tail requests (indices, first fit in the order given) that fit beside the requests `tokens` and
+def oracle_backfill(tokens: np.ndarray, remaining: np.ndarray, candidate_tokens: np.ndarray,
+                    candidate_remaining: np.ndarray, capacity_tokens: float, block_size: int, group=None, shared=None,
+                    candidate_group=None, candidate_shared=None) -> list[int]:
+    """The candidates (indices, first fit in the order given) that fit beside the requests `tokens` and
     `remaining` describe (the running and those admitted) without the peak exceeding capacity; with groups and
     shared prompt tokens, as `oracle_admissions`."""
-    sharing = shared is not None and tail_shared is not None
+    sharing = shared is not None and candidate_shared is not None
     picks: list[int] = []
-    for k in range(len(tail_tokens)):
+    for k in range(len(candidate_tokens)):
         rows = picks + [k]
-        if _peak(np.concatenate([tokens, tail_tokens[rows]]), np.concatenate([remaining, tail_remaining[rows]]),
-                 block_size, np.concatenate([group, tail_group[rows]]) if sharing else None,
-                 np.concatenate([shared, tail_shared[rows]]) if sharing else None) <= capacity_tokens:
+        if _peak(np.concatenate([tokens, candidate_tokens[rows]]),
+                 np.concatenate([remaining, candidate_remaining[rows]]), block_size,
+                 np.concatenate([group, candidate_group[rows]]) if sharing else None,
+                 np.concatenate([shared, candidate_shared[rows]]) if sharing else None) <= capacity_tokens:
             picks.append(k)
     return picks
 
@@ -150,15 +151,17 @@ class OraclePolicy(StaticPolicy):
                                   state.waiting_remaining, capacity, state.block_size, state.running_group,
                                   state.waiting_group, state.running_shared, state.waiting_shared)
         self.picks = []
-        if state.tail_tokens is not None and admit < len(state.waiting_tokens):  # the head is blocked
+        if admit < len(state.waiting_tokens):  # the head is blocked
+            positions, candidates = backfill_candidates(state, admit)
             sharing = state.running_shared is not None
-            self.picks = oracle_backfill(
+            picked = oracle_backfill(
                 np.concatenate([state.running_tokens, state.waiting_tokens[:admit]]),
                 np.concatenate([state.running_remaining, state.waiting_remaining[:admit]]),
-                state.tail_tokens, state.tail_remaining, capacity, state.block_size,
+                candidates["tokens"], candidates["remaining"], capacity, state.block_size,
                 np.concatenate([state.running_group, state.waiting_group[:admit]]) if sharing else None,
                 np.concatenate([state.running_shared, state.waiting_shared[:admit]]) if sharing else None,
-                state.tail_group, state.tail_shared)
+                candidates.get("group"), candidates.get("shared"))
+            self.picks = [positions[k] for k in picked]
         # All it was shown fit (the description stops at the cache's free blocks, or the whole queue, while vLLM's
         # front end is still handing it the pass): more may fit at the next step. Waiting for a finish there
         # holds a pass's first few requests alone until the shortest of them ends.

@@ -64,13 +64,14 @@ class PassShape:
     scaled: bool = False
 
 
-def promote_from_tail(queue, picks: list[int]) -> None:
-    """Move the requests of a deque `queue` at `picks` (positions from its end, 0: the last) to its front, in
-    the order of `picks` (a policy's `backfill`)."""
+def promote_to_front(queue, positions: list[int]) -> None:
+    """Move the requests of a deque `queue` at `positions` (indexes as Python's: from the front, or negative from
+    the end) to its front, in the order of `positions` (a policy's `backfill`)."""
     n = len(queue)
-    chosen = [queue[n - 1 - i] for i in picks]
-    for i in sorted(picks):  # nearest the end first: the positions of those still to delete stay put
-        del queue[n - 1 - i]
+    at = [p if p >= 0 else n + p for p in positions]
+    chosen = [queue[i] for i in at]
+    for i in sorted(at, reverse=True):  # the furthest back first: the positions of those still to delete stay put
+        del queue[i]
     queue.extendleft(reversed(chosen))
 
 
@@ -149,15 +150,15 @@ def decide(policy, state: StepState, running: Callable[[], Requests], waiting: C
     it; it runs only
     where the policy reads the queue's head or the cap admits from it (a first pass's probes finish ~100 times
     between admission waves, and each reordering walks the queue). `clock` times the description. `tail(n)`: the
-    last n waiting requests, the last first, and `promote(picks)` moves those at `picks` (positions from the end)
+    last n waiting requests, the last first, and `promote(positions)` moves those at `positions` (as `promote_to_front`)
     to the queue's front: for a policy that `backfills` (None: the queue cannot be reordered, no backfill)."""
     wants_requests = policy.wants_requests(state)
     if sibling_order is not None and sibling_order.dirty and wants_requests:
         reorder()
     describe_s = None
+    backfills = wants_requests and policy.backfills and tail is not None and promote is not None
     if wants_requests:
         started = clock() if clock is not None else 0.0
-        backfills = policy.backfills and tail is not None and promote is not None
         describe_requests(state, running(), waiting(), max_num_seqs=max_num_seqs,
                           waiting_limit=policy.waiting_limit(), shape=shape, true_lengths=policy.reads_true_lengths,
                           read_tail=tail if backfills else None)
@@ -168,9 +169,9 @@ def decide(policy, state: StepState, running: Callable[[], Requests], waiting: C
     if sibling_order is not None and sibling_order.dirty and cap > state.num_running:
         reorder()
         reordered = True
-    if state.tail_rows is not None:
+    if backfills:
         picks = policy.backfill()
-        if picks and not reordered:  # a reordering moved the described tail: its positions no longer hold
+        if picks and not reordered:  # a reordering moved the described requests: their positions no longer hold
             promote(picks)
     budget = None
     if max_step_tokens is not None:

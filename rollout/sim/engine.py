@@ -21,7 +21,7 @@ import numpy as np
 
 from rollout.policy import StepState
 from rollout.policy.probes import SiblingOrder, reorder_siblings
-from rollout.policy.step import (NUM_COLUMNS, PassShape, Requests, StepGate, decide, promote_from_tail,
+from rollout.policy.step import (NUM_COLUMNS, PassShape, Requests, StepGate, decide, promote_to_front,
                                  shared_prompt_blocks)
 
 
@@ -189,7 +189,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             decision = decide(policy, state, lambda: describe(running), waiting_reader, max_num_seqs=max_num_seqs,
                               shape=shape, max_step_tokens=token_budget, sibling_order=sibling_order,
                               reorder=reorder, tail=lambda n: describe(list(itertools.islice(reversed(waiting), n))),
-                              promote=lambda picks: promote_from_tail(waiting, picks))
+                              promote=lambda picks: promote_to_front(waiting, picks))
             gate.answered(events, decision)
             cap = decision.cap
             step_budget = token_budget if decision.token_budget is None else max(decision.token_budget, 1)
