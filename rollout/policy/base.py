@@ -99,8 +99,9 @@ class Policy(ABC):
     """A batch-size policy: asked for the admission cap at a step, told what happens.
 
     Calls, per step where the policy is asked (see `steady_until`): `wants_requests`, `waiting_limit` (only if it
-    wants requests), `batch_cap`, `backfill` (only where the tail was described), `token_budget`, `steady_until`; after the step, `observe_step`; the finishes of a
-    step are told together (`observe_finished`) before the next step asks. The caller clamps the cap to
+    wants requests), `batch_cap`, `backfill` (only if it backfills and wanted requests), `token_budget`,
+    `steady_until`; after the step, `observe_step`; the finishes of a step are told together (`observe_finished`)
+    before the next step asks. The caller clamps the cap to
     [running, b_max] and never lets it evict: lowering it only stops admissions.
     """
 
@@ -196,7 +197,8 @@ def make_policy(config: PolicyConfig | dict, stats: LengthStats | None = None, g
 
 # The methods FallbackPolicy guards, and what each answers once the policy has failed inside it.
 _GUARDED = {"start_pass": None, "wants_requests": False, "steady_until": 0, "waiting_limit": None,
-            "backfill": [], "token_budget": None, "observe_finished": None, "observe_step": None, "observe_preempted": None}
+            "backfill": [], "token_budget": None, "observe_finished": None, "observe_step": None,
+            "observe_preempted": None}
 
 
 class FallbackPolicy:

@@ -181,3 +181,6 @@ class OraclePolicy(StaticPolicy):
 
     def backfill(self) -> list[int]:
         return self.picks
+
+    def trace_fields(self) -> dict:
+        return {**super().trace_fields(), "backfilled": len(self.picks)}  # at the last search
