@@ -1,18 +1,21 @@
-"""Synthetic rollout workloads with imposed lengths (token-id prompts, max_tokens + ignore_eos).
+"""Rollout workloads with imposed lengths (token-id prompts, max_tokens + ignore_eos).
 
 Each profile gives, per RL iteration, a list of requests: the prompt's token ids, the true output length and
-the group (prompt) it belongs to. Everything is seeded.
+the group (prompt) it belongs to. Everything is seeded. Kind `recorded` takes the lengths from a user's own earlier
+`rollout.generate` run, so that a benchmark runs their distribution.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
-from rollout.data import Prompt
+from rollout.data import DataError, Prompt
 
 REAL_LENGTHS = Path(__file__).resolve().parent.parent / "configs" / "bench" / "real_lengths.json"
 
@@ -20,7 +23,7 @@ REAL_LENGTHS = Path(__file__).resolve().parent.parent / "configs" / "bench" / "r
 @dataclass
 class ProfileConfig:
     name: str = "kv-bound"
-    kind: str = "lognormal"  # lognormal | grpo | real | mixture
+    kind: str = "lognormal"  # lognormal | grpo | real | mixture | recorded
     num_prompts: int = 512
     samples_per_prompt: int = 1
     prompt_tokens: int = 128
@@ -29,7 +32,7 @@ class ProfileConfig:
     sample_sigma: float = 0.35  # grpo: spread of a prompt's samples around its latent length
     max_output: int = 1024
     iterations: int = 1
-    drift: float = 1.25  # grpo, mixture: output lengths grow by this factor per iteration
+    drift: float = 1.25  # grpo, mixture, recorded: output lengths grow by this factor per iteration
     # mixture: a share of the prompts (their class fixed per prompt) elicits outputs `long_ratio` times longer,
     # and grows by `long_drift` more per iteration; prompt lengths spread lognormally by `prompt_sigma`.
     long_share: float = 0.15
@@ -37,6 +40,10 @@ class ProfileConfig:
     long_drift: float = 1.0
     prompt_sigma: float = 0.0
     scale: float = 1.0  # real: multiply measured lengths
+    # recorded: a rollout.generate run's samples.jsonl (or its output folder). Its first `num_prompts` prompts, each
+    # at its recorded prompt length; each iteration draws `samples_per_prompt` of the prompt's recorded output
+    # lengths (the first iteration takes them as recorded where as many were recorded), times drift per iteration.
+    lengths_file: Optional[str] = None
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
 
@@ -48,11 +55,57 @@ class Request:
     group: int
 
 
+RECORD_FIELDS = ("prompt_id", "prompt_tokens", "completion_tokens")
+
+
+def recorded_lengths(path: str | None) -> list[tuple[int, list[int]]]:
+    """Per prompt of an earlier `rollout.generate` run, in the order its samples first appear: its prompt's length
+    in tokens and its samples' output lengths. `path`: the run's samples.jsonl or its output folder."""
+    if not path:
+        raise DataError("a profile of kind recorded needs lengths_file: a rollout.generate run's samples.jsonl "
+                        "or its output folder")
+    source = Path(path)
+    if source.is_dir():
+        source = source / "samples.jsonl"
+    try:
+        return _read_recorded(str(source.resolve()), source.stat().st_mtime_ns)
+    except FileNotFoundError:
+        raise DataError(f"{source}: no such file (lengths_file: a rollout.generate run's samples.jsonl or its "
+                        "output folder)") from None
+
+
+@lru_cache(maxsize=4)
+def _read_recorded(source: str, mtime_ns: int) -> list[tuple[int, list[int]]]:
+    """The file read once per version (a run's samples also hold their texts and tokens: large)."""
+    prompts: dict[str, tuple[int, list[int]]] = {}
+    with open(source, "rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise DataError(f"{source} line {number}: not a JSON object ({exc})") from None
+            if not isinstance(row, dict) or any(key not in row for key in RECORD_FIELDS):
+                raise DataError(f"{source} line {number}: a sample needs {', '.join(RECORD_FIELDS)} (the lines "
+                                "rollout.generate writes)")
+            prompt, output = row["prompt_tokens"], row["completion_tokens"]
+            if not (isinstance(prompt, int) and prompt >= 1 and isinstance(output, int) and output >= 0):
+                raise DataError(f"{source} line {number}: prompt_tokens must be a positive integer and "
+                                f"completion_tokens a non-negative one, got {prompt!r} and {output!r}")
+            prompts.setdefault(str(row["prompt_id"]), (prompt, []))[1].append(output)
+    if not prompts:
+        raise DataError(f"{source}: no samples")
+    return list(prompts.values())
+
+
 def max_prompt_tokens(profile: ProfileConfig) -> int:
     """The longest prompt the profile gives (what the engine's context must hold besides max_output): a mixture's
-    spread prompt lengths are cut at 4x their median."""
+    spread prompt lengths are cut at 4x their median; a recorded run's longest prompt."""
     if profile.kind == "mixture":
         return 4 * profile.prompt_tokens
+    if profile.kind == "recorded":
+        return max(prompt for prompt, _ in recorded_lengths(profile.lengths_file)[:profile.num_prompts])
     return int(profile.prompt_tokens * max(profile.scale, 1))
 
 
@@ -96,8 +149,17 @@ def profile_requests(profile: ProfileConfig, iteration: int, seed: int = 0,
         for i, prompt in enumerate(prompts):
             samples = rng.lognormal(np.log(latent[i]), profile.sample_sigma, n)
             requests += [Request(prompt, int(np.clip(s, 1, cap)), i) for s in samples]
+    elif profile.kind == "recorded":
+        growth = profile.drift ** iteration
+        for i, (prompt_length, outputs) in enumerate(recorded_lengths(profile.lengths_file)[:profile.num_prompts]):
+            prompt = _prompt(base, f"p{i}", prompt_length, vocab_size)
+            if iteration == 0 and len(outputs) == n:
+                samples = np.asarray(outputs, dtype=float)
+            else:
+                samples = rng.choice(np.asarray(outputs, dtype=float), n) * growth
+            requests += [Request(prompt, int(np.clip(round(s), 1, cap)), i) for s in samples]
     else:
-        raise ValueError(f"unknown workload kind {profile.kind!r} (lognormal, grpo, real, mixture)")
+        raise ValueError(f"unknown workload kind {profile.kind!r} (lognormal, grpo, real, mixture, recorded)")
     return requests
 
 

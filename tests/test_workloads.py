@@ -1,6 +1,9 @@
 """The benchmark's synthetic workloads (rollout/workloads.py): what each kind promises of its lengths."""
 
+import json
+
 import numpy as np
+import pytest
 
 from rollout.workloads import ProfileConfig, max_prompt_tokens, profile_requests
 
@@ -39,3 +42,62 @@ def test_a_mixture_is_seeded_and_capped_at_max_output():
     a = [(len(r.prompt.token_ids), r.output_tokens) for r in profile_requests(profile, 0, seed=1)]
     assert a == [(len(r.prompt.token_ids), r.output_tokens) for r in profile_requests(profile, 0, seed=1)]
     assert max(n for _, n in a) == 300 and min(n for _, n in a) >= 1
+
+
+def write_run(folder, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "samples.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+def sample(prompt_id, prompt_tokens, completion_tokens, **extra):
+    return {"prompt_id": prompt_id, "sample_index": 0, "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens, "completion": "...", **extra}
+
+
+def test_a_recorded_run_replays_its_prompts_and_lengths_and_resamples_them_later(tmp_path):
+    rows = [sample("a", 30, n) for n in (100, 110)] + [sample("b", 7, n) for n in (2000, 2100)]
+    run = write_run(tmp_path / "run", [rows[0], rows[2], rows[1], rows[3]])  # samples interleaved, as they finish
+    profile = ProfileConfig(kind="recorded", lengths_file=str(run), num_prompts=10, samples_per_prompt=2,
+                            max_output=4096, drift=1.5, iterations=2)
+    first = profile_requests(profile, 0)
+    assert [(len(r.prompt.token_ids), r.output_tokens, r.group) for r in first] == [
+        (30, 100, 0), (30, 110, 0), (7, 2000, 1), (7, 2100, 1)]
+    assert max_prompt_tokens(profile) == 30
+    second = profile_requests(profile, 1)
+    assert [r.prompt.token_ids for r in second] == [r.prompt.token_ids for r in first]  # the same prompts
+    assert all(r.output_tokens in (150, 165) for r in second[:2])  # each prompt keeps its own lengths, grown
+    assert all(r.output_tokens in (3000, 3150) for r in second[2:])
+    more = ProfileConfig(kind="recorded", lengths_file=str(run / "samples.jsonl"), num_prompts=1,
+                         samples_per_prompt=5, max_output=105)
+    drawn = profile_requests(more, 0)
+    assert len(drawn) == 5 and {r.output_tokens for r in drawn} <= {100, 105}  # drawn, capped at max_output
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("", "no samples"),
+    ('{"prompt_id": "a", "prompt_tokens": 3, "completion_tokens": 5}\n{"prompt_id": "a"}\n',
+     "line 2: a sample needs prompt_id, prompt_tokens, completion_tokens"),
+    ('{"prompt_id": "a", "prompt_tokens": 3, "completion_tokens": 5}\n\nnot json\n', "line 3: not a JSON object"),
+    ('{"prompt_id": "a", "prompt_tokens": 0, "completion_tokens": 5}\n', "line 1: prompt_tokens must be"),
+])
+def test_a_bad_recorded_run_is_named_with_its_line(tmp_path, content, message):
+    from rollout.data import DataError
+
+    path = tmp_path / "samples.jsonl"
+    if content is not None:
+        path.write_text(content)
+    profile = ProfileConfig(kind="recorded", lengths_file=str(path))
+    with pytest.raises(DataError, match=message):
+        profile_requests(profile, 0)
+
+
+def test_the_bench_refuses_a_recorded_profile_without_its_file_before_any_engine(tmp_path, capsys):
+    from rollout.bench import main
+
+    config = tmp_path / "bench.yaml"
+    config.write_text("model: tiny\nschedulers: [vllm]\nprofiles:\n  - name: mine\n    kind: recorded\n"
+                      f"    lengths_file: {tmp_path / 'missing'}\n")
+    assert main(["--config", str(config), f"out_dir={tmp_path / 'out'}"]) == 2
+    assert "no such file" in capsys.readouterr().err
