@@ -47,10 +47,11 @@ for profile in bench.profiles:
               f"recomputed {run.recomputed_tokens / run.generated_tokens:.2%}  per iteration "
               f"{'/'.join(f'{v:.0f}' for v in run.per_iteration_tokens_per_s)}  ({time.time() - t0:.1f} s to simulate)",
               flush=True)
-        for k, path in enumerate(run.last):  # the pass's critical path: the request that finished it
-            ran = path.finished_s - path.started_s
-            print(f"{'':25s} pass {k}: its last request ({path.output_tokens} tokens) admitted at "
-                  f"{path.started_s:.1f} s, ran {ran:.1f} s ({ran / path.output_tokens * 1e3:.1f} ms a token), "
-                  f"recomputed {path.recomputed_tokens} tokens in {path.preemptions} preemptions", flush=True)
+        for k, (last, longest) in enumerate(zip(run.last, run.longest)):  # the request that finished the pass
+            for what, path in (("last", last), ("longest", longest)):  # and its longest
+                ran = path.finished_s - path.started_s
+                print(f"{'':25s} pass {k}: its {what} request ({path.output_tokens} tokens) admitted at "
+                      f"{path.started_s:.1f} s, ran {ran:.1f} s ({ran / path.output_tokens * 1e3:.1f} ms a token), "
+                      f"recomputed {path.recomputed_tokens} tokens in {path.preemptions} preemptions", flush=True)
     if "vllm" in row:
         print("  ratios:", {k: round(v / row["vllm"], 3) for k, v in row.items()}, flush=True)

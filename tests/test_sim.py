@@ -264,3 +264,16 @@ def test_the_result_names_the_request_that_finished_the_pass_and_when_it_started
     assert first.last.output_tokens == 400 and first.last.started_s == 0.0
     assert first.makespan_s < simulate(short + long, make_policy({"name": "static", "b_max": 4}), **kwargs).makespan_s
     assert first.last.finished_s == first.makespan_s
+
+
+def test_the_oracle_runs_short_requests_beside_a_long_one_and_never_delays_or_preempts_the_longest():
+    # Longest first, as the oracle submits: two long requests whose peaks do not fit together, then short ones.
+    # Without backfilling the short ones would wait behind the second long one until the first ended.
+    requests = [(16, 600), (16, 590)] + [(16, 30)] * 10
+    policy = make_policy({"name": "oracle", "b_max": 64, "forecast_min_wave": 0.0})
+    result = simulate(requests, policy, kv_capacity_blocks=60, block_size=16, max_num_seqs=64, token_budget=4096,
+                      step_time=MODEL)
+    assert result.preemptions == 0
+    assert result.longest.output_tokens == 600 and result.longest.started_s == 0.0
+    assert result.longest.preemptions == 0 and result.longest.recomputed_tokens == 0
+    assert result.last.output_tokens == 590  # the short ones all ended before it: they ran beside the first

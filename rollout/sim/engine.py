@@ -82,9 +82,10 @@ class SimRequest:
 
 @dataclass
 class CriticalPath:
-    """The request that finished the pass (the last to finish; where a pass is bound by its longest requests'
-    decode, one of them): whatever delayed it delayed the pass. `started_s`: when it was first admitted (its
-    wait); `recomputed_tokens`: what its preemptions threw away; `finished_s - started_s` over `output_tokens`: how fast its steps ran."""
+    """One request of a pass: the one that finished it (`SimResult.last`: whatever delayed it delayed the pass) or
+    its longest (`SimResult.longest`: where the pass is bound by its longest requests' decode, the two are one).
+    `started_s`: when it was first admitted (its wait); `recomputed_tokens`: what its preemptions threw away;
+    `finished_s - started_s` over `output_tokens`: how fast its steps ran."""
 
     output_tokens: int
     started_s: float
@@ -102,6 +103,7 @@ class SimResult:
     steps: int
     trace: list = field(default_factory=list)
     last: CriticalPath | None = None  # the request that finished the pass
+    longest: CriticalPath | None = None  # the pass's longest request (the latest to finish of the longest)
 
     @property
     def tokens_per_s(self) -> float:
@@ -272,7 +274,10 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             late = []
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
+    def path(r: SimRequest | None) -> CriticalPath | None:
+        return None if r is None else CriticalPath(r.output_tokens, r.started_s, r.finished_s, r.recomputed,
+                                                   r.preemptions)
+
     last = max(queue, key=lambda r: (r.finished_s, r.output_tokens), default=None)
-    critical = None if last is None else CriticalPath(last.output_tokens, last.started_s, last.finished_s,
-                                                      last.recomputed, last.preemptions)
-    return SimResult(clock, generated, preemptions, recomputed, steps, trace, critical)
+    longest = max(queue, key=lambda r: (r.output_tokens, r.finished_s), default=None)
+    return SimResult(clock, generated, preemptions, recomputed, steps, trace, path(last), path(longest))

@@ -31,6 +31,7 @@ class ProfileRun:
     recomputed_tokens: int = 0
     per_iteration_tokens_per_s: list = field(default_factory=list)
     last: list = field(default_factory=list)  # each iteration's CriticalPath (rollout.sim.engine)
+    longest: list = field(default_factory=list)  # each iteration's longest request, as a CriticalPath
     traces: list = field(default_factory=list)  # each iteration's step trace, with keep_trace (rollout.sim.engine)
 
     @property
@@ -88,5 +89,6 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         run.recomputed_tokens += result.recomputed_tokens
         run.per_iteration_tokens_per_s.append(result.tokens_per_s)
         run.last.append(result.last)
+        run.longest.append(result.longest)
         run.traces.append(result.trace)
     return run
