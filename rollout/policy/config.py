@@ -87,10 +87,10 @@ class PolicyConfig:
     forecast_margin_feedback: bool = field(default=False, metadata={"help": (
         "Narrow the forecast's margin while nothing is preempted and admissions wait; widen it on preemption.")})
     forecast_backfill: bool = field(default=False, metadata={"help": (
-        "Where the queue's head cannot be admitted, admit requests from its tail (the shortest-predicted, longest "
-        "first) that fit beside it without taking the memory the head is forecast to need when it fits (EASY "
-        "backfilling). Off by default: in the simulator it raises the tail-bound profile's first pass but not its "
-        "second, and recomputes more (docs/results.md).")})
+        "Where a request at the queue's head cannot be admitted, admit requests behind it (the head's later ones, "
+        "then the queue's end: the shortest-predicted, longest first) that fit beside it without taking the memory "
+        "it is forecast to need once it fits (EASY backfilling). Off by default: in the simulator it raises "
+        "tail-bound but lowers grpo-groups and recomputes more (docs/results.md).")})
     forecast_siblings: bool = field(default=True, metadata={"help": (
         "Within a pass, a group's finished samples (and its running ones' output so far) move the length estimate of "
         "its other samples (GRPO's n samples of a prompt; no effect on groups of one).")})
