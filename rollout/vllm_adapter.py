@@ -342,12 +342,17 @@ class _DynamicBatchMixin:
             queue = iter(self.waiting)
             return lambda n: passing.requests(list(itertools.islice(queue, n)))
 
+        def tail_reader(n: int):
+            # The waiting count may hold requests outside this queue (vLLM's KV-transfer holds): the tail must not
+            # reach back into the head that count was cut by.
+            n -= num_waiting - len(self.waiting)
+            return passing.requests(list(itertools.islice(reversed(self.waiting), max(n, 0))))
+
         reorderable = isinstance(self.waiting, deque)  # priority scheduling: vLLM's heap keeps its own order
         return decide(self.batch_policy, state, lambda: passing.requests(list(self.running)), waiting_reader,
                       max_num_seqs=self.max_cap, shape=passing.shape, max_step_tokens=self._max_step_tokens,
                       sibling_order=passing.sibling_order, reorder=self._reorder_waiting, clock=self.timer.cpu,
-                      tail=(lambda n: passing.requests(list(itertools.islice(reversed(self.waiting), n))))
-                      if reorderable else None,
+                      tail=tail_reader if reorderable else None,
                       promote=(lambda picks: promote_to_front(self.waiting, picks)) if reorderable else None)
 
     def _reorder_waiting(self) -> None:
