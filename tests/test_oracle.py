@@ -198,3 +198,20 @@ def test_a_blocked_long_head_lets_the_short_tail_in_and_never_preempts():
                       tail_rows=np.arange(4))
     assert policy.batch_cap(state) == 1 + 3
     assert policy.backfill() == [-1, -2, -3]  # queue positions, the last first; the fourth fits no better
+
+
+def test_a_cap_without_a_search_counts_no_earlier_backfill():
+    policy = make_policy({"name": "oracle", "b_max": 64, "forecast_min_wave": 0.0})
+    blocked = StepState(num_running=1, num_waiting=5, kv_capacity_blocks=100, block_size=16,
+                        running_tokens=np.array([200]), running_remaining=np.array([1200]),
+                        waiting_tokens=np.array([100]), waiting_remaining=np.array([1500]),
+                        tail_tokens=np.array([50, 50, 50, 50]), tail_remaining=np.array([40, 40, 40, 2000]),
+                        tail_rows=np.arange(4))
+    policy.batch_cap(blocked)
+    assert policy.backfill() == [-1, -2, -3]
+    empty = np.array([], dtype=np.int64)
+    drained = StepState(num_running=4, num_waiting=0, kv_capacity_blocks=100, block_size=16,
+                        running_tokens=np.full(4, 60), running_remaining=np.full(4, 5),
+                        waiting_tokens=empty, waiting_remaining=empty)
+    policy.batch_cap(drained)
+    assert policy.backfill() == []  # those positions are of a queue that has changed since

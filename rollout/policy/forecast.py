@@ -941,7 +941,7 @@ class ForecastPolicy(MemoryPolicy):
         # decides (the cold start with cold_start="memory", or nothing waiting).
         self.forecasting = False
         self.backfills = config.forecast_backfill
-        self.picks: list[int] = []
+        self.picks: list[int] = []  # queue positions the last cap counts past the blocked head (`backfill`)
 
     @property
     def margin_feedback(self) -> bool:
@@ -1096,7 +1096,7 @@ class ForecastPolicy(MemoryPolicy):
             len(state.running_group))
 
     def batch_cap(self, state: StepState) -> int:
-        self.picks: list[int] = []  # the tail requests this cap counts (`backfill`)
+        self.picks = []  # a cap without a forecast counts none
         if not self._forecasting(state):
             self.forecasting = False
             return super().batch_cap(state)

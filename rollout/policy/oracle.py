@@ -107,7 +107,6 @@ class OraclePolicy(StaticPolicy):
     benchmark_only = True
     backfills = True
     admitted_last: int | None = None
-    picks: list[int] = []
 
     def __init__(self, config, stats=None, graph_batch: int = 0) -> None:
         super().__init__(config, stats, graph_batch)
@@ -118,6 +117,7 @@ class OraclePolicy(StaticPolicy):
         self.min_wave = min_wave
         self._finishes_wanted = 0  # finishes before the next search (0: search at every step)
         self._admitted_up_to = 0  # running requests at the last search plus those it admitted, less finishes since
+        self.picks: list[int] = []  # queue positions this cap counts past the blocked head (`backfill`)
 
     def start_pass(self, prior=None) -> None:
         super().start_pass(prior)
@@ -141,6 +141,7 @@ class OraclePolicy(StaticPolicy):
         return None if self.admitted_last is None else max(256, 2 * self.admitted_last)
 
     def batch_cap(self, state: StepState) -> int:
+        self.picks = []  # a cap without a search counts none: an earlier search's positions no longer hold
         if not state.num_waiting:
             return clamp_cap(self.cap, state.num_running, 1, self.max_cap)
         if state.waiting_tokens is None:  # no search this step: only what the last one admitted may start
@@ -150,7 +151,6 @@ class OraclePolicy(StaticPolicy):
         admit = oracle_admissions(state.running_tokens, state.running_remaining, state.waiting_tokens,
                                   state.waiting_remaining, capacity, state.block_size, state.running_group,
                                   state.waiting_group, state.running_shared, state.waiting_shared)
-        self.picks = []
         if admit < len(state.waiting_tokens):  # the head is blocked
             positions, candidates = backfill_candidates(state, admit)
             sharing = state.running_shared is not None
@@ -183,4 +183,4 @@ class OraclePolicy(StaticPolicy):
         return self.picks
 
     def trace_fields(self) -> dict:
-        return {**super().trace_fields(), "backfilled": len(self.picks)}  # at the last search
+        return {**super().trace_fields(), "backfilled": len(self.picks)}
