@@ -151,7 +151,8 @@ class OraclePolicy(StaticPolicy):
         admit = oracle_admissions(state.running_tokens, state.running_remaining, state.waiting_tokens,
                                   state.waiting_remaining, capacity, state.block_size, state.running_group,
                                   state.waiting_group, state.running_shared, state.waiting_shared)
-        if admit < len(state.waiting_tokens):  # the head is blocked
+        blocked = admit < len(state.waiting_tokens)  # the head's first request left out waits
+        if blocked:
             positions, candidates = backfill_candidates(state, admit)
             sharing = state.running_shared is not None
             picked = oracle_backfill(
@@ -165,9 +166,8 @@ class OraclePolicy(StaticPolicy):
         # All it was shown fit (the description stops at the cache's free blocks, or the whole queue, while vLLM's
         # front end is still handing it the pass): more may fit at the next step. Waiting for a finish there
         # holds a pass's first few requests alone until the shortest of them ends.
-        self._finishes_wanted = 1 if self.min_wave and admit < len(state.waiting_tokens) else 0
+        self._finishes_wanted = 1 if self.min_wave and blocked else 0
         wave = math.ceil(self.min_wave * state.num_running)
-        blocked = admit < len(state.waiting_tokens)
         admit += len(self.picks)
         if state.num_running and 0 < admit and blocked and admit < wave:
             self._finishes_wanted = wave - admit  # about a request fits per finish
