@@ -187,26 +187,28 @@ def test_backfill_takes_each_tail_request_that_still_fits_beside_the_running_and
     assert picks == taken
 
 
+def blocked_long_head() -> StepState:
+    """One long request runs; the next long one cannot fit beside it at its peak; four requests wait at the
+    queue's end, three of them short."""
+    return StepState(num_running=1, num_waiting=5, kv_capacity_blocks=100, block_size=16,
+                     running_tokens=np.array([200]), running_remaining=np.array([1200]),
+                     waiting_tokens=np.array([100]), waiting_remaining=np.array([1500]),
+                     tail_tokens=np.array([50, 50, 50, 50]), tail_remaining=np.array([40, 40, 40, 2000]),
+                     tail_rows=np.arange(4))
+
+
 def test_a_blocked_long_head_lets_the_short_tail_in_and_never_preempts():
     # One long request runs; the next long cannot fit beside it at its peak. Short requests at the queue's end
     # end long before the running one needs the memory: the oracle admits them ahead of the blocked head.
     policy = make_policy({"name": "oracle", "b_max": 64, "forecast_min_wave": 0.0})
-    state = StepState(num_running=1, num_waiting=5, kv_capacity_blocks=100, block_size=16,
-                      running_tokens=np.array([200]), running_remaining=np.array([1200]),
-                      waiting_tokens=np.array([100]), waiting_remaining=np.array([1500]),
-                      tail_tokens=np.array([50, 50, 50, 50]), tail_remaining=np.array([40, 40, 40, 2000]),
-                      tail_rows=np.arange(4))
+    state = blocked_long_head()
     assert policy.batch_cap(state) == 1 + 3
     assert policy.backfill() == [-1, -2, -3]  # queue positions, the last first; the fourth fits no better
 
 
 def test_a_cap_without_a_search_counts_no_earlier_backfill():
     policy = make_policy({"name": "oracle", "b_max": 64, "forecast_min_wave": 0.0})
-    blocked = StepState(num_running=1, num_waiting=5, kv_capacity_blocks=100, block_size=16,
-                        running_tokens=np.array([200]), running_remaining=np.array([1200]),
-                        waiting_tokens=np.array([100]), waiting_remaining=np.array([1500]),
-                        tail_tokens=np.array([50, 50, 50, 50]), tail_remaining=np.array([40, 40, 40, 2000]),
-                        tail_rows=np.arange(4))
+    blocked = blocked_long_head()
     policy.batch_cap(blocked)
     assert policy.backfill() == [-1, -2, -3]
     empty = np.array([], dtype=np.int64)
