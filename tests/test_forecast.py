@@ -280,7 +280,10 @@ def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(mo
         return policy.batch_cap(step(running, described=True))
 
     def fresh() -> ForecastPolicy:
-        policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
+        # Without backfilling (with it, any finish calls for a forecast while the head is blocked) and with the
+        # margin unbounded, as the numbers below assume.
+        policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
+                                             forecast_backfill=False, forecast_margin_cap=1.0))
         for n in (100, 120, 140):
             policy.observe_finished(16, n)
         assert forecast(policy, 4) == 4  # 480 tokens of cache, four requests heading for ~130 tokens each
@@ -329,7 +332,8 @@ def test_forecasts_that_the_estimates_move_called_for_and_admitted_nothing_wait_
         return state
 
     monkeypatch.setattr(forecast_module, "ESTIMATE_MOVE", 0.05)
-    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
+                                         forecast_backfill=False, forecast_margin_cap=1.0))
     for n in range(20):
         policy.observe_finished(16, 100 + n)
     assert policy.wants_requests(step(4)) and policy.batch_cap(step(4, described=True)) == 4
@@ -456,11 +460,11 @@ def test_the_forecast_reports_its_margin_as_the_safety_buffer():
                       running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
                       waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64))
     policy.batch_cap(state)
-    admit, margin, *_ = expected_demand_admissions(state, policy.lengths, policy.theta)
+    admit, margin, *_ = expected_demand_admissions(state, policy.lengths, policy.theta, margin_cap=policy.margin_cap)
     assert 0 < admit < 20 and admit == policy.last.admitted
     assert margin > 0 and policy.trace_fields()["safety_buffer_blocks"] == pytest.approx(margin / 16)
     # a larger overflow allowance keeps less free
-    loose = expected_demand_admissions(state, policy.lengths, 0.5)
+    loose = expected_demand_admissions(state, policy.lengths, 0.5, margin_cap=policy.margin_cap)
     assert loose.count >= admit and loose.margin_tokens < margin
 
 
@@ -609,9 +613,11 @@ def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_whil
                          running_tokens=np.full(4, 116), running_generated=np.full(4, 100),
                          waiting_tokens=np.full(10, 16), waiting_generated=np.zeros(10, dtype=np.int64))
 
-    fixed = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
+    # The margin unbounded (forecast_margin_cap=1): the feedback scales theta, and a bound would hide it.
+    fixed = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
+                                        forecast_margin_cap=1.0))
     policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
-                                         forecast_margin_feedback=True))
+                                         forecast_margin_feedback=True, forecast_margin_cap=1.0))
     for p in (fixed, policy):
         for n in (100, 120, 140):
             p.observe_finished(16, n)
@@ -633,7 +639,10 @@ def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_whil
 
 
 def deterministic_policy(length: int = 200) -> ForecastPolicy:
-    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2))
+    """Every length `length`; without backfilling (with it, any finish calls for a forecast while the head is
+    blocked) and with the margin unbounded, as the tests' numbers assume."""
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
+                                         forecast_backfill=False, forecast_margin_cap=1.0))
     for _ in range(50):
         policy.observe_finished(16, length)
     return policy
@@ -799,3 +808,57 @@ def test_a_wave_too_small_waits_for_finishes_before_the_next_forecast():
         assert not waves.wants_requests(skipped), k
         waves.observe_finished(100, 200)
     assert waves.wants_requests(skipped)
+
+
+def grouped_long_state(blocks: int = 4000) -> tuple[StepState, CensoredLengths]:
+    """Two groups of eight long samples running a third of the way, then short single requests waiting; lengths
+    spread widely, so the groups' demands (their samples moving together) carry a wide margin."""
+    lengths = CensoredLengths(bin_tokens=16)
+    rng = np.random.default_rng(5)
+    for n in rng.lognormal(np.log(2000), 0.6, 300).astype(int):
+        lengths.observe(int(n))
+    state = view(np.full(16, 900), np.full(16, 700), np.full(60, 200), blocks=blocks,
+                 running_group=np.repeat([0, 1], 8), running_shared=np.zeros(16, dtype=np.int64),
+                 waiting_group=np.arange(2, 62), waiting_shared=np.zeros(60, dtype=np.int64))
+    return state, lengths
+
+
+def test_the_margin_kept_free_is_at_most_its_share_of_the_cache():
+    state, lengths = grouped_long_state()
+    capacity = state.kv_capacity_blocks * state.block_size
+    free = expected_demand_admissions(state, lengths, 1.645)
+    assert free.margin_tokens > 0.3 * capacity  # the groups' spread: a third of the cache kept free
+    bounded = expected_demand_admissions(state, lengths, 1.645, margin_cap=0.2)
+    assert bounded.margin_tokens <= 0.2 * capacity + 1e-6
+    assert bounded.count > free.count
+    # Where the margin is under the bound, the bound changes nothing.
+    assert expected_demand_admissions(state, lengths, 0.1, margin_cap=0.2) == \
+        expected_demand_admissions(state, lengths, 0.1)
+    # The policy bounds it by its setting.
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=256, forecast_after=8, forecast_backfill=False))
+    policy.lengths = lengths
+    policy.batch_cap(state)
+    assert policy.last.admitted == bounded.count
+    assert policy.last.margin_blocks * state.block_size == pytest.approx(bounded.margin_tokens)
+
+
+def test_forecast_backfill_runs_short_requests_beside_a_blocked_long_head():
+    # Every length is 100 tokens in the estimate's units; scales make the running two 1,000 (half done), the head
+    # of the queue 2,000 and the ten behind it 100. The head does not fit beside the running ones (2,600 tokens of
+    # cache: 2,800 at 500 tokens ahead); it fits once they end, and the short ones are gone long before.
+    lengths = CensoredLengths(bin_tokens=16)
+    for _ in range(50):
+        lengths.observe(100)
+    state = view(np.full(2, 600), np.full(2, 500), np.r_[100, np.full(10, 50)], blocks=2600 // 16,
+                 running_scale=np.full(2, 10.0), waiting_scale=np.r_[20.0, np.ones(10)])
+    assert expected_demand_admissions(state, lengths, 0.0) == expected_demand_admissions(state, lengths, 0.0,
+                                                                                          backfill=False)
+    blocked = expected_demand_admissions(state, lengths, 0.0)
+    assert blocked.count == 0 and blocked.backfill == ()
+    filled = expected_demand_admissions(state, lengths, 0.0, backfill=True)
+    assert filled.count == 0  # the head waits
+    # Short ones run beside the running ones, as many as fit there: about 1,200 tokens at 100 ahead, some 165
+    # tokens each at their peak.
+    assert list(filled.backfill) == list(range(1, 1 + len(filled.backfill))) and 5 <= len(filled.backfill) <= 8
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, forecast_after=8))
+    assert policy.backfills  # the default

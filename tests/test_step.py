@@ -78,7 +78,9 @@ def test_the_description_gives_the_arrays_the_adapter_gave(recorded):
 def test_a_policy_replayed_through_the_description_gives_the_recorded_caps(recorded):
     config = recorded["config"]
     assert config["policy"] == "forecast"
-    policy = make_policy(PolicyConfig(name="forecast", b_max=config["max_cap"], order="longest_first"))
+    # The recording's settings: no backfilling, the margin unbounded.
+    policy = make_policy(PolicyConfig(name="forecast", b_max=config["max_cap"], order="longest_first",
+                                      forecast_backfill=False, forecast_margin_cap=1.0))
     asks = 0
     for event in recorded["events"]:
         kind = event["kind"]

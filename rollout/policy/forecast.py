@@ -613,7 +613,8 @@ class Admission(NamedTuple):
 
 def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta: float, *,
                                informed: Informed | None = None, horizon_tokens: int = 0,
-                               pointwise_running_peak: bool = True, backfill: bool = False) -> Admission:
+                               pointwise_running_peak: bool = True, backfill: bool = False,
+                               margin_cap: float = 1.0) -> Admission:
     """How many waiting requests of the step `state` describes (a prefix, in queue order) fit: at every future
     time (in bins of output tokens), the expected KV demand of running and admitted requests plus theta standard
     deviations stays within the cache. A request holding c tokens demands c + t (plus a partly used block) at t
@@ -633,7 +634,8 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     admissions pass). `backfill`: where a request of the head is left out, the head's later requests and then
     the described tail (`StepState.tail_*`, `informed` rows after the waiting ones) are tried in that order, each
     admitted if it fits by the same test beside those before it and the left-out request's demand from the
-    earliest time it fits (first fit; `Admission.backfill`)."""
+    earliest time it fits (first fit; `Admission.backfill`). `margin_cap`: the theta standard deviations kept
+    free are at most this share of the cache (1: the whole cache, no bound)."""
     running_tokens, running_generated = state.running_tokens, state.running_generated
     waiting_tokens, waiting_generated = state.waiting_tokens, state.waiting_generated
     running_scale, waiting_scale = state.running_scale, state.waiting_scale
@@ -641,6 +643,12 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     running_shared, waiting_shared = state.running_shared, state.waiting_shared
     capacity_tokens, block_size = state.kv_capacity_blocks * state.block_size, state.block_size
     max_output = state.max_tokens_bound
+    most_kept_free = margin_cap * capacity_tokens if margin_cap < 1 else np.inf
+
+    def margin(var):
+        """The tokens kept free against a demand of variance `var`."""
+        return np.minimum(theta * np.sqrt(var), most_kept_free)
+
     # Only a prefix whose tokens already held fit now can be admitted: the rest need not be forecast.
     sharing = running_shared is not None and waiting_shared is not None
     own_waiting = np.asarray(waiting_tokens, dtype=float) - (waiting_shared if sharing else 0)
@@ -721,7 +729,7 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
 
     def result(admit: int, demand_mean: np.ndarray, demand_var: np.ndarray, peak: float = 0.0,
                over: tuple | None = None):
-        closest = int(np.argmax(demand_mean + theta * np.sqrt(demand_var))) if len(demand_mean) else 0
+        closest = int(np.argmax(demand_mean + margin(demand_var))) if len(demand_mean) else 0
         overshoot = None
         if over is not None and peak > capacity_tokens:
             row_mean, row_var, total_var, upper = over  # per row and in total, at each future time
@@ -732,7 +740,7 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
                 share = row_mean[:, at]
                 overshoot = Overshoot(float(steps[at]), share.tolist(), row_var[:, at].tolist(), float(total_var[at]),
                                       steps[:at + 1].tolist(), (share @ (1.0 - alive[:len(share), :at + 1])).tolist())
-        return Admission(admit, float(theta * np.sqrt(demand_var[closest])) if len(demand_var) else 0.0,
+        return Admission(admit, float(margin(demand_var[closest])) if len(demand_var) else 0.0,
                          max(peak - capacity_tokens, 0.0), overshoot)
 
     # Most steps admit a few requests or none: forecast a short prefix of the queue first, longer ones only
@@ -742,16 +750,16 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
         considered = min(window, head)
         mean, var = demand(n + considered)
         base_mean, base_var = mean[:n].sum(axis=0), var[:n].sum(axis=0)
-        base_upper = base_mean + theta * np.sqrt(base_var)
+        base_upper = base_mean + margin(base_var)
         if pointwise_running_peak:
             base_peak = float(base_upper.max(initial=0.0))
         else:
-            base_peak = base_mean.max(initial=0.0) + theta * np.sqrt(base_var.max(initial=0.0))
+            base_peak = base_mean.max(initial=0.0) + margin(base_var.max(initial=0.0))
         if base_peak > capacity_tokens:
             return result(0, base_mean, base_var, base_peak, (mean[:n], var[:n], base_var, base_upper))
         total_mean = base_mean[None, :] + np.cumsum(mean[n:], axis=0)
         total_var = base_var[None, :] + np.cumsum(var[n:], axis=0)
-        upper = total_mean + theta * np.sqrt(total_var)
+        upper = total_mean + margin(total_var)
         fits = (upper <= capacity_tokens).all(axis=1)
         admit = int(np.argmin(fits)) if not fits.all() else len(fits)  # demand grows with m: the first misfit ends it
         if admit < considered or considered == head:
@@ -774,7 +782,7 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
         for start in range(1, len(steps)):
             shifted_mean, shifted_var = np.zeros(len(steps)), np.zeros(len(steps))
             shifted_mean[start:], shifted_var[start:] = blocked_mean[:-start], blocked_var[:-start]
-            if (admitted_mean + shifted_mean + theta * np.sqrt(admitted_var + shifted_var) <= capacity_tokens).all():
+            if (admitted_mean + shifted_mean + margin(admitted_var + shifted_var) <= capacity_tokens).all():
                 reserved_mean, reserved_var = shifted_mean, shifted_var
                 break
         picks = []
@@ -783,7 +791,7 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
             candidates = [(n + k, k) for k in range(admit + 1, head)] + [(n + head + j, -1 - j) for j in range(tail)]
             for row, position in candidates:
                 with_mean, with_var = admitted_mean + mean[row], admitted_var + var[row]
-                if (with_mean + reserved_mean + theta * np.sqrt(with_var + reserved_var) <= capacity_tokens).all():
+                if (with_mean + reserved_mean + margin(with_var + reserved_var) <= capacity_tokens).all():
                     picks.append(position)
                     admitted_mean, admitted_var = with_mean, with_var
         answer = answer._replace(backfill=tuple(picks))
@@ -941,6 +949,7 @@ class ForecastPolicy(MemoryPolicy):
         # decides (the cold start with cold_start="memory", or nothing waiting).
         self.forecasting = False
         self.backfills = config.forecast_backfill
+        self.margin_cap = config.forecast_margin_cap
         self.picks: list[int] = []  # queue positions the last cap counts past the blocked head (`backfill`)
 
     @property
@@ -1112,7 +1121,7 @@ class ForecastPolicy(MemoryPolicy):
         admission = expected_demand_admissions(state, self._estimate(state), theta, informed=informed,
                                                horizon_tokens=self._horizon(state),
                                                pointwise_running_peak=self.pointwise_running_peak,
-                                               backfill=self.backfills)
+                                               backfill=self.backfills, margin_cap=self.margin_cap)
         admit, picks, wave_wait = admission.count, list(admission.backfill), 0
         blocked = admit < len(state.waiting_tokens)
         if state.num_running and blocked and 0 < admit + len(picks) < self.min_wave * state.num_running:

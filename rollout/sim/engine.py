@@ -273,7 +273,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             arrive(late)
             late = []
         if keep_trace:
-            trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions))
+            trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions, len(waiting)))
     def path(r: SimRequest | None) -> CriticalPath | None:
         return None if r is None else CriticalPath(r.output_tokens, r.started_s, r.finished_s, r.recomputed,
                                                    r.preemptions)
