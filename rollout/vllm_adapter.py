@@ -35,8 +35,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from rollout.policy import FallbackPolicy, LengthStats, PolicyConfig, StepState, make_policy
 from rollout.policy.probes import SiblingOrder, reorder_siblings
-from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, promote_to_front,
-                                 shared_prompt_blocks)
+from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, least_progress_last,
+                                 preemption_possible, promote_to_front, shared_prompt_blocks)
 from rollout.trace import StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
 from rollout.vllm_compat import check_scheduler_hooks
 
@@ -304,6 +304,10 @@ class _DynamicBatchMixin:
             # is what the policy itself costs.
             policy_cpu_s = cpu() - started_cpu if cpu else None
         setattr(self, CAP_ATTR, self._cap)
+        if self.batch_policy.orders_preemption and preemption_possible(
+                round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks), len(self.running),
+                self.max_num_scheduled_tokens, self.block_size):
+            least_progress_last(self.running, attrgetter("num_computed_tokens"))
         self._recomputed = 0
         step_start = time.monotonic()
         base_started = time.perf_counter()

@@ -401,3 +401,25 @@ def test_a_preempted_requests_computed_tokens_are_counted_as_recomputed(build, t
     assert min(tokens for x in lost for tokens in x) >= 30  # a preempted request had its prompt computed
     assert sorted(spy.preempted_tokens) == sorted(tokens for x in lost for tokens in x)  # the policy was told
     assert all(len(r.output_token_ids) == 40 for r in requests)
+
+
+@pytest.mark.parametrize("policy", ["static", "forecast"])
+def test_preemption_takes_the_request_that_computed_least_where_the_policy_orders_it(build, policy):
+    """Six requests of 16 prompt tokens and 300 output tokens, then one of 400 and 600, all admitted at once into
+    80 usable blocks: the six alone outgrow the cache at 200 tokens each. vLLM preempts the last of its running
+    list: by default the last admitted, the long one; the forecast (its cap forced to admit all) puts the
+    running requests that computed least last."""
+    scheduler = build({"name": policy, "b_max": 8}, num_blocks=81)
+    spy_on(scheduler, answer=lambda state: 8)
+    assert scheduler.batch_policy.orders_preemption == (policy == "forecast")
+    requests = [request(f"s{i}", 16, 300) for i in range(6)] + [request("long", 400, 600)]
+    run = Run(scheduler, requests)
+    assert len(run.step().num_scheduled_tokens) == 7  # all admitted at the first step
+    list(run.steps(3000))
+    long = requests[-1]
+    assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in requests)
+    assert sum(r.num_preemptions for r in requests) > 0
+    if policy == "forecast":
+        assert long.num_preemptions == 0  # shorter ones went instead
+    else:
+        assert long.num_preemptions > 0  # vLLM's own order

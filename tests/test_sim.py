@@ -277,3 +277,24 @@ def test_the_oracle_runs_short_requests_beside_a_long_one_and_never_delays_or_pr
     assert result.longest.output_tokens == 600 and result.longest.started_s == 0.0
     assert result.longest.preemptions == 0 and result.longest.recomputed_tokens == 0
     assert result.last.output_tokens == 590  # the short ones all ended before it: they ran beside the first
+
+
+def test_preemption_takes_the_request_that_computed_least_not_the_long_one_admitted_last():
+    from rollout.policy.policies import StaticPolicy
+
+    class LeastProgressFirst(StaticPolicy):  # a static cap, preempting as the forecast and the oracle do
+        orders_preemption = True
+
+    # Six shorter requests, then a long one with a long prompt, all admitted at once: at 200 tokens each the
+    # shorter ones alone hold 84 blocks of the 80-block cache.
+    requests = [(16, 300)] * 6 + [(400, 600)]
+    kwargs = dict(kv_capacity_blocks=80, block_size=16, max_num_seqs=8, token_budget=4096, step_time=MODEL)
+    fcfs = simulate(requests, StaticPolicy(PolicyConfig(name="static", b_max=8)), **kwargs)
+    ours = simulate(requests, LeastProgressFirst(PolicyConfig(name="static", b_max=8)), **kwargs)
+    assert fcfs.longest.output_tokens == ours.longest.output_tokens == 600
+    assert fcfs.longest.preemptions > 0  # vLLM's FCFS order: the last admitted, the long one, goes
+    # Shorter ones went instead, each throwing away less (though here more of them in all), and the long one,
+    # the pass's end, ran through.
+    assert ours.preemptions > 0 and ours.longest.preemptions == 0
+    assert ours.recomputed_tokens / ours.preemptions < fcfs.recomputed_tokens / fcfs.preemptions
+    assert ours.makespan_s < fcfs.makespan_s

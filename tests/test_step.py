@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from rollout.policy import PolicyConfig, StepState, make_policy
-from rollout.policy.step import (GROUP, MAX_TOKENS, NUM_COLUMNS, PROMPT, SHARED, PassShape, Requests, StepGate,
-                                 decide, describe_requests)
+from rollout.policy.step import (GROUP, MAX_TOKENS, NUM_COLUMNS, PREEMPTION_CANDIDATES, PROMPT, SHARED, PassShape,
+                                 Requests, StepGate, decide, describe_requests, least_progress_last,
+                                 preemption_possible)
 
 DATA = Path(__file__).parent / "data" / "adapter_steps.json.gz"
 ARRAYS = ("tokens", "generated", "rows", "group", "shared", "scale")
@@ -214,3 +215,22 @@ def test_the_tail_is_described_only_for_a_backfill_where_the_head_stops_short_of
     describe_requests(headroom, waiting.head(0), reader(waiting), max_num_seqs=5, waiting_limit=None,
                       shape=PassShape(), true_lengths=False, read_tail=tail_reader)
     assert len(headroom.tail_rows) == 3  # the cap's headroom bounds head and tail together
+
+
+def test_the_running_requests_that_computed_least_are_put_last_for_preemption():
+    computed = [500, 40, 900, 40, 7, 300, 12, 800, 60, 1000, 5, 90]
+    running = list(range(len(computed)))  # admission order
+    least_progress_last(running, lambda r: computed[r])
+    # vLLM's FCFS scheduler preempts from the end: the eight that computed least go there, the fewest last (of
+    # equals, 1 and 3, the later admitted last); the others keep their order.
+    assert PREEMPTION_CANDIDATES == 8
+    assert running == [0, 2, 7, 9, 5, 11, 8, 1, 3, 6, 4, 10]
+    one = [3]
+    least_progress_last(one, lambda r: 0)
+    assert one == [3]
+
+
+def test_a_step_may_run_out_of_blocks_only_where_fewer_are_free_than_it_can_take():
+    # 10 running requests can each take a block; 64 prompt tokens take 4 blocks of 16.
+    assert preemption_possible(13, 10, 64, 16) and not preemption_possible(14, 10, 64, 16)
+    assert preemption_possible(14, 10, 65, 16)

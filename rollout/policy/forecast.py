@@ -907,6 +907,7 @@ class ForecastPolicy(MemoryPolicy):
 
     name = "forecast"
     needs_requests = True
+    orders_preemption = True
 
     def __init__(self, config, stats=None, graph_batch: int = 0) -> None:
         super().__init__(config, stats, graph_batch)

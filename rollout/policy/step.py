@@ -7,8 +7,9 @@ one state.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -177,6 +178,28 @@ def decide(policy, state: StepState, running: Callable[[], Requests], waiting: C
     if max_step_tokens is not None:
         budget = policy.token_budget(max_step_tokens, state.num_running)
     return Decision(cap, budget, policy.steady_until(), describe_s)
+
+
+PREEMPTION_CANDIDATES = 8  # running requests put in line for preemption, at most (more in one step are rare)
+
+
+def preemption_possible(free_blocks: int, num_running: int, token_budget: int, block_size: int) -> bool:
+    """Whether a step may run out of KV blocks: each running request's next token can take a new block, and the
+    step's prompt tokens (at most its token budget) theirs (speculative tokens not counted)."""
+    return free_blocks < num_running + -(-token_budget // block_size)
+
+
+def least_progress_last(running: list, computed: Callable[[Any], int]) -> None:
+    """Puts the PREEMPTION_CANDIDATES running requests that have computed the fewest tokens at the end of
+    `running` (in place), the fewest last (of equals, the later admitted), the others in their order. vLLM's FCFS
+    scheduler preempts from the end of its running list, so a preemption then throws away the least work; by
+    default it takes the last admitted, which after a preemption is the request just resumed, recomputed and
+    preempted again (a pass's longest requests, in a tail-bound pass)."""
+    if len(running) < 2:
+        return
+    low = heapq.nsmallest(PREEMPTION_CANDIDATES, range(len(running)), key=lambda i: (computed(running[i]), -i))
+    moved = set(low)
+    running[:] = [r for i, r in enumerate(running) if i not in moved] + [running[i] for i in reversed(low)]
 
 
 class StepGate:

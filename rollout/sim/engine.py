@@ -21,8 +21,8 @@ import numpy as np
 
 from rollout.policy import StepState
 from rollout.policy.probes import SiblingOrder, reorder_siblings
-from rollout.policy.step import (NUM_COLUMNS, PassShape, Requests, StepGate, decide, promote_to_front,
-                                 shared_prompt_blocks)
+from rollout.policy.step import (NUM_COLUMNS, PassShape, Requests, StepGate, decide, least_progress_last,
+                                 preemption_possible, promote_to_front, shared_prompt_blocks)
 
 
 @dataclass
@@ -196,6 +196,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             cap = decision.cap
             step_budget = token_budget if decision.token_budget is None else max(decision.token_budget, 1)
         budget, scheduled, preempted = step_budget, [], False
+        if policy.orders_preemption and preemption_possible(free, len(running), step_budget, block_size):
+            least_progress_last(running, lambda r: r.computed)
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
