@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -129,6 +130,41 @@ def build_tiny_llama(out: str | os.PathLike, vocab_size: int = 1024, max_positio
         model.lm_head.weight.zero_()
     model.to(torch.bfloat16).save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=[2] + list(range(100, 107)), pad_token_id=3).save_pretrained(out)
+    return out
+
+
+def build_chain_llama(out: str | os.PathLike, peak: float = 8.0, seed: int = 0) -> Path:
+    """The tiny Llama of `build_tiny_llama` (its tokenizer and stop ids) made a Markov chain: each token has one
+    likely successor (a random permutation), whose logit stands `peak` above the others' (which spread by about
+    peak / 11), so sampling at temperature 1 follows the chain about 70% of the time at the default peak. Its
+    layers add nothing to the residual stream, the lm_head reads the current token's embedding. A prompt that
+    walks the chain lets prompt-lookup (ngram) drafts be accepted often, as a real model's repetitive text does:
+    what a test of lossless speculative decoding needs, which a uniform model (acceptance 1 / vocab) cannot show.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    build_tiny_llama(out, seed=seed)
+    model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+    successor = torch.randperm(vocab, generator=generator)
+    with torch.no_grad():
+        embedding = torch.randn(vocab, hidden, generator=generator)
+        embedding *= math.sqrt(hidden) / embedding.norm(dim=1, keepdim=True)  # RMS 1: the final norm keeps it
+        model.model.embed_tokens.weight.copy_(embedding)
+        for layer in model.model.layers:  # residual branches off: the last hidden state is the token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        lm_head = torch.empty(vocab, hidden)
+        lm_head[successor] = embedding * (peak / hidden)  # logit of successor[x] after x: peak
+        model.lm_head.weight.copy_(lm_head)
+    model.save_pretrained(out)
+    (out / "chain.json").write_text(json.dumps({"successor": successor.tolist(), "peak": peak}))
     return out
 
 
