@@ -1,4 +1,5 @@
 import gzip
+import math
 import json
 from pathlib import Path
 
@@ -298,3 +299,28 @@ def test_preemption_takes_the_request_that_computed_least_not_the_long_one_admit
     assert ours.preemptions > 0 and ours.longest.preemptions == 0
     assert ours.recomputed_tokens / ours.preemptions < fcfs.recomputed_tokens / fcfs.preemptions
     assert ours.makespan_s < fcfs.makespan_s
+
+
+def test_speculation_advances_a_decoding_request_by_its_accepted_drafts_and_costs_a_verify_step():
+    from rollout.sim import Speculation
+
+    requests = [(16, 400)]
+    kwargs = dict(kv_capacity_blocks=100, block_size=16, max_num_seqs=4, token_budget=4096, step_time=MODEL)
+    plain = simulate(requests, make_policy({"name": "static", "b_max": 4}), **kwargs)
+    always = simulate(requests, make_policy({"name": "static", "b_max": 4}), **kwargs,
+                      speculation=Speculation(draft_tokens=4, acceptance=1.0, max_batch=8))
+    never = simulate(requests, make_policy({"name": "static", "b_max": 4}), **kwargs,
+                     speculation=Speculation(draft_tokens=4, acceptance=0.0, max_batch=8))
+    assert plain.generated_tokens == always.generated_tokens == never.generated_tokens == 400
+    assert always.steps == 1 + math.ceil(399 / 5)  # the prefill samples one, then 5 a step
+    assert never.steps == plain.steps == 400 and never.makespan_s > plain.makespan_s  # verify steps cost more
+    half = simulate(requests, make_policy({"name": "static", "b_max": 4}), **kwargs,
+                    speculation=Speculation(draft_tokens=4, acceptance=0.5, max_batch=8))
+    expected_per_step = (1 - 0.5 ** 5) / (1 - 0.5)  # 1 + accepted, accepted truncated at 4
+    assert abs(399 / (half.steps - 1) - expected_per_step) < 0.25
+    # Above max_batch nothing is drafted; a whole-pass configuration still pays the synchronous step there.
+    wide = simulate(requests, make_policy({"name": "static", "b_max": 4}), **kwargs,
+                    speculation=Speculation(draft_tokens=4, acceptance=1.0, max_batch=0))
+    switched = simulate(requests, make_policy({"name": "static", "b_max": 4}), **kwargs,
+                        speculation=Speculation(draft_tokens=4, acceptance=1.0, max_batch=0, whole_pass=False))
+    assert wide.steps == switched.steps == 400 and switched.makespan_s == plain.makespan_s < wide.makespan_s

@@ -54,6 +54,34 @@ class StepTimeModel:
                                            f"over {self.graph_batch} requests" if self.graph_batch else ""))
 
 
+# One H200, vLLM 0.26, the 8B shape (docs/results.md, "Speculative decoding's cost"): a step's time with
+# speculation configured (synchronous scheduling, V1 runner, FULL graphs) over the default's, by batch size.
+SYNC_STEP_FACTORS = ((1, 1.33), (16, 1.47), (64, 1.65), (256, 1.71))
+
+
+@dataclass
+class Speculation:
+    """Speculative decoding, for projections: the acceptance is given, not measured. Where at most `max_batch`
+    requests decode, each verifies `draft_tokens` drafts and accepts each with probability `acceptance` until the
+    first rejection (the standard geometric model), plus the token it samples itself; such a step costs
+    `verify_step_s` plus `verify_token_s` per draft token more (a least-squares fit to the measured verify steps,
+    rough: their spread is about +-50%). An engine configured for speculation schedules synchronously: its steps take
+    `SYNC_STEP_FACTORS` times the default's, every step where `whole_pass` (one engine for the pass), only the
+    speculating ones otherwise (an ideal switch between a default engine and a speculating one)."""
+
+    draft_tokens: int
+    acceptance: float
+    max_batch: int
+    whole_pass: bool = True
+    verify_step_s: float = 0.5e-3
+    verify_token_s: float = 25e-6
+    seed: int = 0
+
+    def sync_factor(self, batch: int) -> float:
+        sizes, factors = zip(*SYNC_STEP_FACTORS)
+        return float(np.interp(math.log(max(batch, 1)), np.log(sizes), factors))
+
+
 @dataclass
 class SimRequest:
     prompt_tokens: int
@@ -114,14 +142,15 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
              token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
              prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
              sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None,
-             ask_every_step: bool = False) -> SimResult:
+             ask_every_step: bool = False, speculation: Speculation | None = None) -> SimResult:
     """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group]]]), in
     arrival order) to completion under `policy`. `nominal_max_tokens`: the max_tokens the policy is told, as the
     benchmark tells the adapter (None: each request's own length, a request whose max_tokens is its length).
     `sibling_order`: reorders the waiting requests of probed groups as their samples finish, as the adapter.
     `requests_at_first_step`: how many requests the engine holds at its first step (None: all); the rest arrive
     before the second, as vLLM's front end streams a batch into the engine core's process. `ask_every_step`:
-    call the policy at every step, also where its `steady_until` says its answer stands (the adapter does not)."""
+    call the policy at every step, also where its `steady_until` says its answer stands (the adapter does not).
+    `speculation`: speculative decoding as `Speculation` models it (None: none)."""
     queue = [SimRequest(*r, row=k) for k, r in enumerate(requests)]
     first = len(queue) if requests_at_first_step is None else max(requests_at_first_step, 1)
     waiting: deque[SimRequest] = deque()
@@ -145,6 +174,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
 
     clock, steps, preemptions, recomputed, generated, finished = 0.0, 0, 0, 0, 0, 0
     gate, cap, step_budget = StepGate(), max_num_seqs, token_budget
+    spec_rng = None if speculation is None else np.random.default_rng(speculation.seed)
     pending_prompt = pending_max = 0  # over the requests that have reached the engine and not finished
 
     def arrive(batch: list[SimRequest]) -> None:
@@ -196,12 +226,16 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             cap = decision.cap
             step_budget = token_budget if decision.token_budget is None else max(decision.token_budget, 1)
         budget, scheduled, preempted = step_budget, [], False
+        drafting = speculation is not None and len(running) <= speculation.max_batch
+        accepted: dict[int, int] = {}  # id(request) -> draft tokens it accepts this step
         if policy.orders_preemption and preemption_possible(free, len(running), step_budget, block_size):
             least_progress_last(running, lambda r: r.computed)
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
             n = min(r.target - r.computed, budget) if r.computed < r.target else 1
+            if drafting and r.decoding and r.output_tokens - r.generated > 1:
+                n = min(1 + speculation.draft_tokens, budget)  # its last token and the drafts, verified together
             need = math.ceil((r.computed + n) / block_size) - r.shared_blocks - r.blocks
             while need > free and running:
                 victim = running.pop()  # vLLM FCFS: the last admitted goes first
@@ -222,6 +256,9 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             free -= need
             scheduled.append((r, n))
             budget -= n
+            if n > 1 and r.decoding:
+                draws = spec_rng.geometric(1.0 - speculation.acceptance) - 1 if speculation.acceptance < 1 else n
+                accepted[id(r)] = int(min(draws, n - 1, r.output_tokens - r.generated - 1))
             i += 1
         while not preempted and waiting and len(running) < cap and budget > 0:
             r = waiting[0]
@@ -250,16 +287,27 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         prefill = sum(n for r, n in scheduled if not r.decoding)
         kv_read = sum(r.computed for r, _ in scheduled)
         duration = step_time(decode, kv_read, prefill)
+        if speculation is not None and (speculation.whole_pass or accepted):
+            duration *= speculation.sync_factor(decode)
+        if accepted:
+            drafts = sum(n - 1 for r, n in scheduled if id(r) in accepted)
+            duration += speculation.verify_step_s + speculation.verify_token_s * drafts
         clock += duration
         policy.observe_step(duration, decode, prefill)
         steps += 1
         for r, n in scheduled:
-            was_prefill = r.computed < r.target
-            r.computed += n
-            if was_prefill and r.computed < r.target:
-                continue  # a prefill chunk that does not finish the prompt samples nothing
-            r.generated += 1
-            generated += 1
+            if id(r) in accepted:  # a verify step: the accepted drafts and one token of its own
+                gained = 1 + accepted[id(r)]
+                r.computed += gained
+                r.generated += gained
+                generated += gained
+            else:
+                was_prefill = r.computed < r.target
+                r.computed += n
+                if was_prefill and r.computed < r.target:
+                    continue  # a prefill chunk that does not finish the prompt samples nothing
+                r.generated += 1
+                generated += 1
             if r.generated >= r.output_tokens:
                 running.remove(r)
                 r.finished_s = clock

@@ -50,7 +50,7 @@ def scheduler_settings(bench: BenchConfig, name: str) -> dict:
 
 def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,
                      kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384,
-                     keep_trace: bool = False) -> ProfileRun:
+                     keep_trace: bool = False, speculation=None) -> ProfileRun:
     settings = scheduler_settings(bench, name)
     probes = settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
     policy = make_policy(settings, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
@@ -77,7 +77,8 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                           max_num_seqs=int(settings["b_max"]), token_budget=token_budget, step_time=step_time,
                           prior_lengths=prior, nominal_max_tokens=profile.max_output,
                           sibling_order=SiblingOrder() if probes else None,
-                          requests_at_first_step=REQUESTS_AT_FIRST_STEP, keep_trace=keep_trace)
+                          requests_at_first_step=REQUESTS_AT_FIRST_STEP, keep_trace=keep_trace,
+                          speculation=speculation)
         by_prompt: dict[str, list[int]] = {}
         for key, r in zip(keys, requests):
             by_prompt.setdefault(key, []).append(r.output_tokens)
