@@ -255,6 +255,7 @@ class _DynamicBatchMixin:
         self.spec_max_batch = config.spec_max_batch
         self.drafts = DraftSource() if self.draft_tokens else None
         self._prompt_keys: dict[str, str] = {}  # request id -> its prompt's key (rollout.policy.length_stats)
+        self._drafted = False  # whether the last step set drafts
 
     def add_request(self, request) -> None:
         started = time.perf_counter()
@@ -335,8 +336,7 @@ class _DynamicBatchMixin:
         if self.drafts is not None:
             self._set_drafts()
         if self.batch_policy.orders_preemption and preemption_possible(
-                round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks), len(self.running),
-                self.max_num_scheduled_tokens, self.block_size):
+                self._kv_free_blocks(), len(self.running), self.max_num_scheduled_tokens, self.block_size):
             least_progress_last(self.running, attrgetter("num_computed_tokens"))
         self._recomputed = 0
         step_start = time.monotonic()
@@ -361,20 +361,28 @@ class _DynamicBatchMixin:
         self.timer.add_adapter(time.perf_counter() - base_ended)
         return output
 
+    def _kv_free_blocks(self) -> int:
+        return round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks)
+
     def _set_drafts(self) -> None:
         """Each decoding request's drafts for this step where at most spec_max_batch run, none elsewhere: from its
         running siblings (the same prompt), its prompt's earlier rollouts and its own text."""
-        speculate = len(self.running) <= self.spec_max_batch
+        if len(self.running) > self.spec_max_batch:
+            if self._drafted:  # drafts set for a request vLLM did not schedule stay until cleared
+                for request in self.running:
+                    request.spec_token_ids = []
+                self._drafted = False
+            return  # otherwise the worker's proposer (none) left every request without drafts
+        self._drafted = True
         groups: dict[str, list[str]] = {}
-        if speculate:
-            for request in self.running:
-                key = self._prompt_keys.get(request.request_id)
-                if key is None:
-                    key = self._prompt_keys[request.request_id] = prompt_key(request.prompt_token_ids)
-                groups.setdefault(key, []).append(request.request_id)
-                self.drafts.track(request.request_id, request.all_token_ids)
         for request in self.running:
-            if not speculate or request.is_prefill_chunk or not request.num_output_tokens:
+            key = self._prompt_keys.get(request.request_id)
+            if key is None:
+                key = self._prompt_keys[request.request_id] = prompt_key(request.prompt_token_ids)
+            groups.setdefault(key, []).append(request.request_id)
+            self.drafts.track(request.request_id, request.all_token_ids)
+        for request in self.running:
+            if request.is_prefill_chunk or not request.num_output_tokens:
                 request.spec_token_ids = []
                 continue
             key = self._prompt_keys[request.request_id]
@@ -387,7 +395,7 @@ class _DynamicBatchMixin:
         state = StepState(
             num_running=num_running, num_waiting=num_waiting, step=self._step,
             kv_capacity_blocks=self.kv_capacity_blocks, block_size=self.block_size,
-            kv_free_blocks=round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks),
+            kv_free_blocks=self._kv_free_blocks(),
             pending_prompt_tokens_mean=passing.pending_prompt_tokens / max(passing.pending, 1),
             pending_max_tokens_mean=passing.pending_max_tokens / max(passing.pending, 1),
             max_tokens_bound=passing.max_tokens_bound,
