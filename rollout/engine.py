@@ -391,6 +391,14 @@ class RolloutEngine:
                 "first_step_stats_count": steps[0].get("stats_count"),
                 "series": downsample(steps, SERIES_POINTS),
             })
+            drafted = [s for s in steps if s.get("draft_tokens")]
+            if drafted:  # tail speculation: what vLLM verified and accepted of the scheduler's drafts
+                draft_tokens = sum(s["draft_tokens"] for s in drafted)
+                accepted = sum(s["accepted_tokens"] for s in drafted)
+                summary["speculation"] = {
+                    "steps": len(drafted), "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+                    "acceptance": round(accepted / draft_tokens, 4),
+                    "tokens_per_decode": round(1 + accepted / sum(s["decode_requests"] for s in drafted), 3)}
             timed = [s for s in steps if s.get("step_ms") is not None and s.get("decode_requests")]
             if timed:
                 # What a decoding request waits per token: step latency weighted by the requests it decoded.

@@ -52,6 +52,8 @@ class StepDone(NamedTuple):
     prefill_tokens: int
     adapter_s: float | None  # the adapter's wall time since the previous record (None: not timed)
     finish_cpu_us: float | None  # the policy's CPU time at this step's finishes (None: not timed)
+    draft_tokens: int = 0  # draft tokens vLLM verified in this step (tail speculation)
+    accepted_tokens: int = 0  # of those, the ones accepted: the step emitted this many tokens beyond one a decode
 
 
 def _plain(value):
@@ -97,6 +99,8 @@ def record_dict(record: StepRecord, done: StepDone | None, t0: float) -> dict:
                    prefill_tokens=done.prefill_tokens)
         if done.adapter_s is not None:
             out.update(adapter_us=round(done.adapter_s * 1e6, 1), finish_cpu_us=round(done.finish_cpu_us, 1))
+        if done.draft_tokens:
+            out.update(draft_tokens=done.draft_tokens, accepted_tokens=done.accepted_tokens)
     return out
 
 

@@ -256,6 +256,7 @@ class _DynamicBatchMixin:
         self.drafts = DraftSource() if self.draft_tokens else None
         self._prompt_keys: dict[str, str] = {}  # request id -> its prompt's key (rollout.policy.length_stats)
         self._drafted = False  # whether the last step set drafts
+        self._verified = [0, 0]  # draft and accepted tokens of the step whose output is being read
 
     def add_request(self, request) -> None:
         started = time.perf_counter()
@@ -438,7 +439,16 @@ class _DynamicBatchMixin:
         self.batch_policy.observe_preempted(request.num_computed_tokens)
         return super()._preempt_request(request, *args, **kwargs)
 
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args,
+                                 **kwargs):
+        # vLLM calls this once for each request whose drafts the step verified, inside update_from_output.
+        self._verified[0] += num_draft_tokens
+        self._verified[1] += num_accepted_tokens
+        return super().make_spec_decoding_stats(spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args,
+                                                **kwargs)
+
     def update_from_output(self, scheduler_output, *args, **kwargs):
+        self._verified = [0, 0]
         outputs = super().update_from_output(scheduler_output, *args, **kwargs)
         started = time.perf_counter()
         done = not self.has_unfinished_requests()
@@ -460,13 +470,19 @@ class _DynamicBatchMixin:
         record, latency = timed
         per_request = scheduler_output.num_scheduled_tokens
         decode_requests = list(per_request.values()).count(1)  # in C: a generator took ~30 us at 1,024 requests
-        prefill_tokens = scheduler_output.total_num_scheduled_tokens - decode_requests
+        decode_tokens = decode_requests
+        drafted = scheduler_output.scheduled_spec_decode_tokens
+        if drafted:  # a decode with k drafts schedules 1 + k tokens
+            decode_requests += len(drafted)
+            decode_tokens += sum(map(per_request.__getitem__, drafted))
+        prefill_tokens = scheduler_output.total_num_scheduled_tokens - decode_tokens
         if scheduler_output.total_num_scheduled_tokens:
             self.batch_policy.observe_step(latency, decode_requests, prefill_tokens)
         if record is not None:
             # This step's adapter time: its schedule() and what came since the last record (the finishes, the
             # records' writing); the writing that follows counts in the next.
-            self.trace.add(record, StepDone(latency, decode_requests, prefill_tokens, *self.timer.take()))
+            self.trace.add(record, StepDone(latency, decode_requests, prefill_tokens, *self.timer.take(),
+                                            *self._verified))
             if self.trace.due(now):
                 self.trace.flush()
 

@@ -67,6 +67,19 @@ def test_the_schedulers_drafts_are_verified_and_change_no_greedy_output(chain_mo
     assert drafted > 0 and after_second["accepted_tokens"] - after_first["accepted_tokens"] == drafted
     # Up to 1 + 3 tokens a step: fewer steps than tokens.
     assert after_first["drafts"] < sum(len(o) for o in outputs(first))
+    # The trace holds each step's verified and accepted drafts, as vLLM counts them, and a decode
+    # that carried drafts counts as one decode of 1 + k tokens, not as prefill.
+    second_counts = {k: after_second[k] - after_first[k] for k in ("draft_tokens", "accepted_tokens")}
+    for run, counts in ((first, after_first), (second, second_counts)):
+        steps = [r for r in run.trace if r.get("draft_tokens")]
+        assert sum(r["draft_tokens"] for r in steps) == counts["draft_tokens"]
+        assert sum(r["accepted_tokens"] for r in steps) == counts["accepted_tokens"]
+        assert all(r["draft_tokens"] <= 3 * r["decode_requests"] for r in steps)
+        assert all(r["scheduled_tokens"] == r["prefill_tokens"] + r["decode_requests"] + r["draft_tokens"]
+                   for r in steps)
+        assert run.summary["speculation"]["draft_tokens"] == counts["draft_tokens"]
+        assert run.summary["speculation"]["acceptance"] == 1.0
+    assert "speculation" not in plain.summary
 
 
 def test_speculation_at_temperature_above_zero_is_refused_on_cpu(chain_model, tmp_path):
