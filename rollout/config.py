@@ -111,7 +111,8 @@ class SamplingConfig:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling's probability mass, in (0, 1]."})
     max_tokens: int = field(default=512, metadata={"help": "The most output tokens of a sample."})
     seed: int = field(default=0, metadata={"help": (
-        "The engine's seed; on GPU also each sample's (this seed plus the sample's position in the set).")})
+        "The engine's seed; on GPU also each sample's (this seed plus the sample's position in the set; in a "
+        "library engine's later passes, plus the passes before times the set's size).")})
     logprobs: Optional[int] = field(default=None, metadata={"help": (
         "null: none; 0: each sampled token's logprob, kept in the samples; k: vLLM also computes the top k.")})
     ignore_eos: bool = field(default=False, metadata={"help": (

@@ -164,6 +164,14 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     return kwargs
 
 
+def sample_seed(seed: int, pass_index: int, num_prompts: int, n: int, index: int, sample: int) -> int:
+    """The seed of sample `sample` of prompt `index` in an engine's pass `pass_index` (0 for the CLI's one pass, so a
+    resumed run draws what it would have): distinct over the passes of a trainer's loop, whose iterations must not
+    reuse one another's random draws (the same seeds would repeat a pass's samples wherever the weights changed
+    little)."""
+    return seed + (pass_index * num_prompts + index) * n + sample
+
+
 def full_graph_warning(compilation, gpu: bool) -> str | None:
     """What to tell a user whose compilation settings ask for full CUDA graphs of mixed prefill-decode batches."""
     mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else None
@@ -193,6 +201,7 @@ class RolloutEngine:
         # vLLM 0.32's CPU runner crashes on seeded requests whose prefill is chunked ("CPU Generator does not
         # use offset"); there the engine seed alone makes runs reproducible.
         self.per_request_seeds = not current_platform.is_cpu()
+        self.passes = 0  # generate() calls so far: a later pass draws its samples with seeds of its own
         start = time.monotonic()
         kwargs = engine_kwargs(cfg, self.model_path, self.trace_path, self.stats_in, self.stats_out)
         self.llm = LLM(**kwargs)
@@ -271,7 +280,8 @@ class RolloutEngine:
             prompt = prompts[index]
             if (prompt.prompt_id, sample) in done:
                 continue
-            params = self.sampling_params(self.cfg.sampling.seed + index * n + sample, float(scales[index]),
+            params = self.sampling_params(sample_seed(self.cfg.sampling.seed, self.passes, len(prompts), n, index,
+                                                      sample), float(scales[index]),
                                           nominal_max_tokens, probe_group)
             if max_tokens is not None:
                 params.max_tokens = max_tokens[index]
@@ -312,6 +322,7 @@ class RolloutEngine:
                 sink(handed)
             bar.close()
         wall = time.monotonic() - start
+        self.passes += 1
         trace.poll()
         self._remember_lengths(keys, new)
         records = sorted([*done.values(), *new], key=lambda r: (r["group_index"], r["sample_index"]))

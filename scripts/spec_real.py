@@ -83,7 +83,11 @@ def one(args) -> None:
     samples = []
     with RolloutEngine(cfg, out / "work" / tag) as engine:
         result["engine_start_s"] = engine.engine_start_s
+        base_seed = cfg.sampling.seed
         for iteration in range(args.iterations):
+            # Each iteration its own samples' seeds, as an RL iteration's new weights would give it its own samples:
+            # with the same seeds the second iteration repeats the first and its history drafts are all accepted.
+            engine.cfg.sampling.seed = base_seed + iteration * len(prompts) * args.n
             finished: list[float] = []
             start = time.monotonic()
 
@@ -144,10 +148,11 @@ def ends_in_loop(tokens: list[int], window: int = LOOP_WINDOW, max_period: int =
     return any(np.array_equal(end[p:], end[:-p]) for p in range(1, max_period + 1))
 
 
-def replay_acceptance(samples: list[dict], k: int = 4) -> dict:
-    """Drafts of rollout.drafts replayed over samples drawn without speculation: per iteration, each sample's
-    accepted tokens per verify step with its siblings' texts up to the same length (siblings start together), its
-    prompt's earlier iterations and its own text; split by whether the sample ends in a loop."""
+def replay_acceptance(samples: list[dict], prompts: list[list[int]], k: int = 4) -> dict:
+    """Drafts of rollout.drafts replayed over samples drawn without speculation, as the adapter would propose them
+    if every step drafted: a prompt's samples advance together, step by step, each by its accepted drafts and the
+    token it samples; each draws on its siblings' texts so far, its prompt's earlier iterations and its own text
+    (prompt included). Split by whether the sample ends in a loop."""
     from rollout.drafts import DraftSource
 
     by_iteration: dict[int, dict[int, list]] = {}
@@ -157,24 +162,28 @@ def replay_acceptance(samples: list[dict], k: int = 4) -> dict:
     totals = {True: [0, 0, 0], False: [0, 0, 0]}  # loop? -> drafted, accepted, verify steps
     for iteration in sorted(by_iteration):
         for prompt, group in by_iteration[iteration].items():
-            for i, tokens in enumerate(group):
-                loop = ends_in_loop(tokens)
-                ids = [f"{prompt}:{j}" for j in range(len(group))]
-                pos = 1
-                while pos < len(tokens):
-                    for j, other in enumerate(group):
-                        if j != i:
-                            source.track(ids[j], other[:pos])
-                    draft = source.propose(ids[i], tokens[:pos], str(prompt), ids, min(k, len(tokens) - pos - 1))
+            head = list(prompts[prompt])
+            ids = [f"{iteration}:{prompt}:{j}" for j in range(len(group))]
+            loops = [ends_in_loop(tokens) for tokens in group]
+            known = [head + tokens[:1] for tokens in group]  # the first output token comes from the prefill
+            active = [j for j, tokens in enumerate(group) if len(tokens) > 1]
+            while active:
+                for j in active:
+                    source.track(ids[j], known[j])
+                for j in active:
+                    tokens, done = group[j], len(known[j]) - len(head)
+                    draft = source.propose(ids[j], known[j], str(prompt), ids, min(k, len(tokens) - done - 1))
                     accepted = 0
-                    while accepted < len(draft) and draft[accepted] == tokens[pos + accepted]:
+                    while accepted < len(draft) and draft[accepted] == tokens[done + accepted]:
                         accepted += 1
-                    totals[loop][0] += len(draft)
-                    totals[loop][1] += accepted
-                    totals[loop][2] += 1
-                    pos += accepted + 1
-                for j in ids:
-                    source.forget(j)
+                    counts = totals[loops[j]]
+                    counts[0] += len(draft)
+                    counts[1] += accepted
+                    counts[2] += 1
+                    known[j].extend(tokens[done:done + accepted + 1])
+                active = [j for j in active if len(known[j]) - len(head) < len(group[j])]
+            for j in ids:
+                source.forget(j)
         for prompt, group in by_iteration[iteration].items():
             for tokens in group:
                 source.remember(str(prompt), tokens)
@@ -212,7 +221,11 @@ def report(args) -> None:
         print(f"{path.name}: {sum(loops)} of {len(samples)} samples end in a loop, "
               f"{looped_tokens / max(sum(len(s['tokens']) for s in samples), 1):.1%} of the tokens")
         if "spec" not in path.name and args.replay:
-            print("  replayed drafts (k=4):", json.dumps(replay_acceptance(samples)))
+            prompts = [json.loads(line)["token_ids"] for line in open(args.prompts)]
+            for iteration in sorted({s["iteration"] for s in samples})[:args.replay_iterations]:
+                chosen = [s for s in samples if s["iteration"] <= iteration]
+                print(f"  replayed drafts (k=4), iterations 0-{iteration}:",
+                      json.dumps(replay_acceptance(chosen, prompts)))
 
 
 def main() -> None:
@@ -240,6 +253,9 @@ def main() -> None:
     p = sub.add_parser("report")
     p.add_argument("out")
     p.add_argument("--replay", action="store_true", help="replay drafts over rep 0's non-speculating samples")
+    p.add_argument("--prompts", default="runs/spec-real/prompts.jsonl", help="the prompts the runs used")
+    p.add_argument("--replay-iterations", type=int, default=None, help=(
+        "replay the first this many iterations (runs whose iterations shared their seeds: 1)"))
     args = parser.parse_args()
     {"export": export, "run": run, "one": one, "report": report}[args.command](args)
 

@@ -181,3 +181,12 @@ def test_the_forecast_is_asked_only_where_something_it_reads_changed(forecast_ru
         assert all(s["adapter_us"] >= s["policy_us"] + s["finish_cpu_us"] for s in trace[1:]), trace
     described = [s["adapter_us"] for s in steps if "describe_cpu_us" in s]
     assert np.median(described) > np.median([steps[k]["adapter_us"] for k in skipped])
+
+
+def test_each_pass_of_an_engine_draws_with_seeds_of_its_own():
+    from rollout.engine import sample_seed
+
+    first = {sample_seed(7, 0, 3, 4, i, s) for i in range(3) for s in range(4)}
+    second = {sample_seed(7, 1, 3, 4, i, s) for i in range(3) for s in range(4)}
+    assert len(first) == len(second) == 12 and not first & second
+    assert sample_seed(7, 0, 3, 4, 2, 1) == 7 + 2 * 4 + 1  # a run's one pass: the sample's position in the set

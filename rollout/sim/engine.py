@@ -55,7 +55,9 @@ class StepTimeModel:
 
 
 # One H200, vLLM 0.26, the 8B shape (docs/results.md, "Speculative decoding's cost"): a step's time with
-# speculation configured (synchronous scheduling, V1 runner, FULL graphs) over the default's, by batch size.
+# speculation configured (synchronous scheduling, V1 runner, FULL graphs) over the default's, by batch size. FULL
+# graphs of mixed batches give wrong samples with real weights (docs/results.md): these factors are a lower bound
+# on a correct engine's.
 SYNC_STEP_FACTORS = ((1, 1.33), (16, 1.47), (64, 1.65), (256, 1.71))
 
 
