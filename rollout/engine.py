@@ -182,8 +182,9 @@ def full_graph_warning(compilation, gpu: bool) -> str | None:
     mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else None
     if gpu and str(mode).upper() == "FULL":
         return ("model.engine_kwargs.compilation_config.cudagraph_mode=FULL: vLLM 0.26's full graphs of mixed "
-                "prefill-decode batches gave wrong samples on an H200 (FlashAttention 3, SmolLM2-135M: half the "
-                "samples ran to max_tokens, in token soup, against 28% under FULL_DECODE_ONLY; docs/results.md)")
+                "prefill-decode batches gave wrong samples on an H200 (FlashAttention 3, SmolLM2-135M: samples off "
+                "their prompt's topic, 57% of them running to max_tokens against 28% under FULL_DECODE_ONLY; "
+                "docs/results.md)")
     return None
 
 
