@@ -67,7 +67,9 @@ class DraftSource:
     them (the latest) for at most `prompts` prompts (the least recently used go first), so the memory stays bounded
     however long training runs. `propose` matches the request's last tokens (`key_tokens` at least, `longest` at
     most) in every text it is given and returns up to k tokens that followed the longest match; of equally long
-    ones, the first source in the order siblings, earlier rollouts, own text."""
+    ones, the first source in the order siblings, earlier rollouts, own text. `verified` keeps, per prompt and
+    within the same bound on prompts, how many draft tokens its requests' verify steps accepted of those they
+    tested: what the scheduler sets the drafts' length from (rollout.policy.speculation)."""
 
     def __init__(self, key_tokens: int = 3, longest: int = 16, rollouts_per_prompt: int = 16,
                  prompts: int = 4096) -> None:
@@ -77,6 +79,8 @@ class DraftSource:
         self.rollouts_per_prompt, self.prompts = rollouts_per_prompt, prompts
         self.history: OrderedDict[str, list[IndexedText]] = OrderedDict()
         self.live: dict[str, IndexedText] = {}  # request id -> its tokens so far (prompt and output), indexed
+        # Prompt key -> [accepted, tested] draft tokens of its requests' verify steps, for as many prompts.
+        self.acceptance: OrderedDict[str, list[float]] = OrderedDict()
 
     def remember(self, prompt_key: str, output_tokens: Sequence[int]) -> None:
         """A finished rollout of the prompt `prompt_key`, kept for its later passes."""
@@ -88,6 +92,26 @@ class DraftSource:
         self.history.move_to_end(prompt_key)
         while len(self.history) > self.prompts:
             self.history.popitem(last=False)
+
+    def verified(self, prompt_key: str, accepted: int, tested: int) -> None:
+        """A verify step of a request of `prompt_key` accepted `accepted` of the `tested` draft tokens."""
+        counts = self.acceptance.setdefault(prompt_key, [0.0, 0.0])
+        counts[0] += accepted
+        counts[1] += tested
+        self.acceptance.move_to_end(prompt_key)
+        while len(self.acceptance) > self.prompts:
+            self.acceptance.popitem(last=False)
+
+    def measured(self, prompt_key: str) -> tuple[float, float]:
+        """Accepted and tested draft tokens of `prompt_key` so far (0, 0 where none)."""
+        accepted, tested = self.acceptance.get(prompt_key, (0.0, 0.0))
+        return accepted, tested
+
+    def new_pass(self) -> None:
+        """A pass starts, with new weights since the last: the acceptance measured so far counts half."""
+        for counts in self.acceptance.values():
+            counts[0] /= 2
+            counts[1] /= 2
 
     def track(self, request_id: str, tokens: Sequence[int]) -> IndexedText:
         """The indexed text of a running request, caught up with its `tokens` so far."""

@@ -255,8 +255,6 @@ class _DynamicBatchMixin:
         self.draft_tokens = config.spec_draft_tokens if self.vllm_config.speculative_config is not None else 0
         self.spec_max_batch = config.spec_max_batch
         self.spec_min_gain = config.spec_min_gain
-        # Prompt key -> [accepted, tested] draft tokens of its requests: what decides its drafts' length.
-        self._acceptance: dict[str, list[float]] = {}
         self.drafts = DraftSource() if self.draft_tokens else None
         self._prompt_keys: dict[str, str] = {}  # request id -> its prompt's key (rollout.policy.length_stats)
         self._drafted = False  # whether the last step set drafts
@@ -268,9 +266,8 @@ class _DynamicBatchMixin:
         if self.pass_state.pending == 0:  # requests arrive at an idle engine: a new pass (RL iteration)
             self._tell_finishes()  # any the last pass left, before the new one starts
             self.batch_policy.start_pass(self._read_prior())
-            for counts in self._acceptance.values():  # new weights since: earlier evidence counts half
-                counts[0] /= 2
-                counts[1] /= 2
+            if self.drafts is not None:
+                self.drafts.new_pass()
         base_started = time.perf_counter()
         super().add_request(request)
         base_ended = time.perf_counter()
@@ -395,7 +392,7 @@ class _DynamicBatchMixin:
                 continue
             key = self._prompt_keys[request.request_id]
             room = request.max_tokens - request.num_output_tokens - 1  # drafts past max_tokens are never used
-            k = draft_length(*self._acceptance.get(key, (0.0, 0.0)), self.draft_tokens, self.spec_min_gain)
+            k = draft_length(*self.drafts.measured(key), self.draft_tokens, self.spec_min_gain)
             request.spec_token_ids = self.drafts.propose(request.request_id, request.all_token_ids, key,
                                                          groups[key], min(k, max(room, 0)))
 
@@ -454,9 +451,7 @@ class _DynamicBatchMixin:
         self._verified[1] += num_accepted_tokens
         key = self._prompt_keys.get(kwargs.get("request_id"))
         if key is not None:
-            counts = self._acceptance.setdefault(key, [0.0, 0.0])
-            counts[0] += num_accepted_tokens
-            counts[1] += tokens_tested(num_draft_tokens, num_accepted_tokens)
+            self.drafts.verified(key, num_accepted_tokens, tokens_tested(num_draft_tokens, num_accepted_tokens))
         return super().make_spec_decoding_stats(spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args,
                                                 **kwargs)
 

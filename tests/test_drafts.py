@@ -69,3 +69,16 @@ def test_the_index_kept_as_tokens_arrive_finds_what_a_search_of_the_whole_text_f
         context = tokens[-rng.randint(0, 12):] if rng.random() < 0.5 else [rng.randint(0, 3) for _ in range(10)]
         expected = brute_force_match(tokens, context, key_tokens, longest)
         assert text.best_match(context, longest) == expected, (tokens, context, key_tokens, longest)
+
+
+def test_measured_acceptance_is_kept_per_prompt_within_the_bound_and_halved_at_a_new_pass():
+    source = DraftSource(prompts=2)
+    assert source.measured("a") == (0.0, 0.0)
+    source.verified("a", 3, 4)
+    source.verified("a", 0, 1)
+    source.verified("b", 1, 2)
+    assert source.measured("a") == (3.0, 5.0)
+    source.new_pass()
+    assert source.measured("a") == (1.5, 2.5) and source.measured("b") == (0.5, 1.0)
+    source.verified("c", 2, 2)  # a third prompt: the least recently verified goes
+    assert source.measured("a") == (0.0, 0.0) and source.measured("b") == (0.5, 1.0)
