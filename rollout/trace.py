@@ -137,6 +137,28 @@ class TraceWriter:
         self._file.close()
 
 
+class NoTrace:
+    """A TraceWriter that keeps nothing: a scheduler configured without a trace_path (a server's engine would
+    otherwise write a record per step for as long as it runs)."""
+
+    path = None
+
+    def event(self, fields: dict) -> None:
+        pass
+
+    def add(self, record: StepRecord, done: StepDone | None) -> None:
+        pass
+
+    def due(self, now: float) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class StepTimer:
     """Times each step where it happens and the adapter's own time on the engine's path.
 

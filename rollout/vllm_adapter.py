@@ -28,19 +28,22 @@ import threading
 import time
 from collections import deque
 from operator import attrgetter
+from pathlib import Path
 
 import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from rollout.drafts import DraftSource
 from rollout.policy import FallbackPolicy, LengthStats, PolicyConfig, StepState, make_policy
 from rollout.policy.length_stats import prompt_key
 from rollout.policy.probes import SiblingOrder, reorder_siblings
+from rollout.policy.prompt_memory import PromptMemory, arrival_order
 from rollout.policy.speculation import draft_length, tokens_tested
 from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, least_progress_last,
                                  preemption_possible, promote_to_front, shared_prompt_blocks)
-from rollout.trace import StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
+from rollout.trace import NoTrace, StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
 from rollout.vllm_compat import check_scheduler_hooks
 
 # The private names overridden or read here, checked once against the installed vLLM (a renamed hook would silently
@@ -74,7 +77,11 @@ def probe_group(request) -> int | None:
     return _extra_arg(request, PROBE_GROUP_KEY, None)
 
 
-_probe_of = attrgetter("_rollout_probe")  # probe_group, kept on the request when it arrives
+# Kept on each request when it arrives: its probe group, predicted length scale and whether it is a probed prompt's
+# held sample; from the driver's extra_args, or from the scheduler's own PromptMemory.
+_probe_of = attrgetter("_rollout_probe")
+_scale_of = attrgetter("_rollout_scale")
+_held_of = attrgetter("_rollout_held")
 _computed = attrgetter("num_computed_tokens")
 
 
@@ -91,13 +98,55 @@ def nominal_max_tokens(request) -> int:
 
 def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_out: str | None,
                      stats_options: dict | None = None, timing: bool = True) -> dict:
-    """The additional_config entry that configures the scheduler in the engine process: `policy`, the plain dict
-    form of PolicyConfig; `timing`, the benchmark-only measurements (CPU times, the adapter's own time; see
-    rollout.trace.StepTimer). Call it in the thread that starts the engine: only an engine started by the main
-    thread ends with its parent (`end_with_parent`)."""
+    """The additional_config entry our driver (rollout.engine) configures the scheduler in the engine process
+    with: `policy`, the plain dict form of PolicyConfig; `timing`, the benchmark-only measurements (CPU times,
+    the adapter's own time; see rollout.trace.StepTimer). The driver keeps the per-prompt memory and sends each
+    request's scale and probe group (`learn_prompts` off). Call it in the thread that starts the engine: only an
+    engine started by the main thread ends with its parent (`end_with_parent`)."""
     return {SETTINGS_KEY: {"policy": policy, "trace_path": trace_path, "stats_in": stats_in,
                            "stats_out": stats_out, "stats_options": stats_options or {}, "timing": timing,
+                           "learn_prompts": False,
                            "end_with_parent": threading.current_thread() is threading.main_thread()}}
+
+
+# Files the scheduler keeps in its `state_dir` (settings): what it learned, saved as each pass ends and at shutdown,
+# read back when an engine starts.
+STATE_STATS_FILE = "length_stats.json"
+STATE_PROMPTS_FILE = "prompt_lengths.json"
+# The settings a scheduler reads from additional_config["rollout"], each with what it holds. Only `policy` is
+# needed where an engine is built by someone else (vllm serve, verl, OpenRLHF, TRL).
+SETTINGS_HELP = {
+    "policy": "PolicyConfig's fields (the keys of `policy.*` in rollout's configs); unset ones keep their defaults.",
+    "state_dir": "Folder for what the scheduler learns (length statistics, per-prompt lengths): read when the "
+                 "engine starts, written as each pass ends and at shutdown. Unset: kept for the engine's lifetime.",
+    "trace_path": "A JSON-lines file for one record per engine step (cap, running, KV use). Unset: no trace.",
+    "learn_prompts": "The scheduler keeps the per-prompt memory and orders its own queue (default). Our driver "
+                     "turns it off: it sends each request's scale and probe group itself.",
+    "stats_in": "Length statistics to start from (default: state_dir's).",
+    "stats_out": "Where to save the length statistics (default: state_dir's).",
+    "stats_options": "LengthStats options (forgetting, window, decay).",
+    "timing": "Benchmark-only CPU-time measurements in the trace.",
+    "end_with_parent": "End the engine process when the process that started it dies.",
+}
+
+
+def read_settings(additional_config: dict | None) -> dict:
+    """additional_config["rollout"], checked: a missing entry, an unknown key or policy field, or a bad value
+    raise ValueError with one line naming it (vLLM prints it where the engine fails to start)."""
+    settings = (additional_config or {}).get(SETTINGS_KEY)
+    if settings is None:
+        raise ValueError(f"rollout's scheduler needs additional_config[{SETTINGS_KEY!r}], e.g. "
+                         f'--additional-config \'{{"{SETTINGS_KEY}": {{"policy": {{"name": "forecast"}}}}}}\'')
+    if not isinstance(settings, dict):
+        raise ValueError(f"additional_config[{SETTINGS_KEY!r}] must be a mapping, not {type(settings).__name__}")
+    unknown = sorted(set(settings) - set(SETTINGS_HELP))
+    if unknown:
+        raise ValueError(f"additional_config[{SETTINGS_KEY!r}]: unknown key {unknown[0]!r}; known: "
+                         f"{', '.join(SETTINGS_HELP)}")
+    policy = settings.get("policy") or {}
+    if not isinstance(policy, dict):
+        raise ValueError(f"additional_config[{SETTINGS_KEY!r}]['policy'] must be a mapping of PolicyConfig fields")
+    return {**settings, "policy": policy}
 
 
 def graph_batch(vllm_config) -> int:
@@ -214,27 +263,39 @@ class PassState:
 class _DynamicBatchMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        settings = (self.vllm_config.additional_config or {}).get(SETTINGS_KEY)
-        if settings is None:
-            raise ValueError(f"{type(self).__name__} needs additional_config[{SETTINGS_KEY!r}]")
+        settings = read_settings(self.vllm_config.additional_config)
         if settings.get("end_with_parent"):
             end_with_parent()
+        config = PolicyConfig.from_dict(settings["policy"])
+        state_dir = settings.get("state_dir")
+        self.state_dir = Path(state_dir) if state_dir else None
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        saved_stats = self.state_dir / STATE_STATS_FILE if self.state_dir is not None else None
         options = settings.get("stats_options") or {}
-        stats_in = settings.get("stats_in")
+        stats_in = settings.get("stats_in") or (saved_stats if saved_stats is not None and saved_stats.is_file()
+                                                else None)
         stats = LengthStats.load(stats_in, **options) if stats_in else LengthStats(**options)
         self.max_cap = self.scheduler_config.max_num_seqs
-        config = PolicyConfig.from_dict(settings["policy"])
         self.graph_batch = graph_batch(self.vllm_config)
         self.batch_policy = FallbackPolicy(make_policy(config, stats, self.graph_batch),
                                            min(config.static_cap or self.max_cap, self.max_cap))
         self.kv_capacity_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
-        self.stats_out = settings.get("stats_out")
-        self.trace = TraceWriter(settings["trace_path"])
+        self.stats_out = settings.get("stats_out") or saved_stats
+        # What the scheduler learns of prompts by itself (where no driver sends it): kept in state_dir if given.
+        self.memory: PromptMemory | None = None
+        self._memory_path = self.state_dir / STATE_PROMPTS_FILE if self.state_dir is not None else None
+        if settings.get("learn_prompts", True):
+            self.memory = (PromptMemory.load(self._memory_path, config.order, config.probe_first)
+                           if self._memory_path is not None else PromptMemory(None, config.order, config.probe_first))
+        self._first_of: dict[str, object] = {}  # this pass: a prompt never seen -> its first request
+        self._arrived = False  # requests arrived since the queue was last put in order
+        self.trace = TraceWriter(settings["trace_path"]) if settings.get("trace_path") else NoTrace()
         self.trace.event({"event": "start", "policy": self.batch_policy.name,
                           "kv_capacity_blocks": self.kv_capacity_blocks, "block_size": self.block_size,
                           "max_cap": self.max_cap, "graph_batch": self.graph_batch, "cap_attr": CAP_ATTR,
                           "stats_count": self.batch_policy.stats.count})
-        self._prior_path = self.trace.path.with_name(PASS_PRIOR_FILE)
+        self._prior_path = self.trace.path.with_name(PASS_PRIOR_FILE) if self.trace.path is not None else None
         self.timer = StepTimer(detail=settings.get("timing", True))
         self.pass_state = PassState(bool(getattr(self.cache_config, "enable_prefix_caching", False)),
                                     self.block_size)
@@ -262,20 +323,55 @@ class _DynamicBatchMixin:
 
     def add_request(self, request) -> None:
         started = time.perf_counter()
-        request._rollout_probe = probe_group(request)
         if self.pass_state.pending == 0:  # requests arrive at an idle engine: a new pass (RL iteration)
             self._tell_finishes()  # any the last pass left, before the new one starts
-            self.batch_policy.start_pass(self._read_prior())
+            self._first_of.clear()
+            self.batch_policy.start_pass(self.memory.open_pass() if self.memory is not None else self._read_prior())
             if self.drafts is not None:
                 self.drafts.new_pass()
+        if self.memory is None:
+            request._rollout_probe, request._rollout_scale = probe_group(request), length_scale(request)
+            request._rollout_held = False
+        else:
+            self._learned_arrival(request)
         base_started = time.perf_counter()
         super().add_request(request)
         base_ended = time.perf_counter()
-        self.pass_state.arrive(request, nominal_max_tokens(request), length_scale(request))
+        self.pass_state.arrive(request, nominal_max_tokens(request), request._rollout_scale)
         self.timer.add_adapter(base_started - started + time.perf_counter() - base_ended)
+
+    def _learned_arrival(self, request) -> None:
+        """A request's scale and probe group from the scheduler's own memory of its prompt."""
+        key = self._prompt_keys[request.request_id] = prompt_key(request.prompt_token_ids)
+        arrival = self.memory.arrive(key)
+        request._rollout_scale, request._rollout_probe, request._rollout_held = (
+            arrival.scale, arrival.probe_group, arrival.held)
+        if arrival.probes_first:
+            first = self._first_of.pop(key, None)
+            if first is not None:
+                first._rollout_probe = arrival.probe_group
+        elif arrival.probe_group is None and arrival.scale == 1.0 and key not in self.memory.lengths.mean:
+            self._first_of.setdefault(key, request)
+        self._arrived = True
+
+    def _put_arrivals_in_order(self) -> None:
+        """The waiting queue in the memory's order (longest predicted first, probed prompts' held samples last),
+        once requests arrived since it last was; preempted requests keep their places."""
+        self._arrived = False
+        queue = self.waiting
+        if not isinstance(queue, deque) or self.memory.order != "longest_first":
+            return  # priority scheduling: vLLM's heap keeps its own order
+        items = list(queue)
+        started = [bool(a or b) for a, b in zip(map(len, map(_output_list, items)), map(_computed, items))]
+        order = arrival_order(started, list(map(_held_of, items)), list(map(_scale_of, items)))
+        if order != list(range(len(items))):
+            queue.clear()
+            queue.extend(items[k] for k in order)
 
     def _read_prior(self) -> np.ndarray | None:
         # The driver writes it before submitting a pass, so it is in place when the first request arrives.
+        if self._prior_path is None:
+            return None
         try:
             return np.asarray(json.loads(self._prior_path.read_text())["lengths"], dtype=float)
         except (OSError, ValueError, KeyError, TypeError):
@@ -289,12 +385,21 @@ class _DynamicBatchMixin:
         if probed is not None:
             self.pass_state.sibling_order.observe(probed, request.num_output_tokens)
         row, group = self.pass_state.finish(request, nominal_max_tokens(request))
+        key = self._prompt_keys.pop(request.request_id, None)
         if self.drafts is not None:
-            key = self._prompt_keys.pop(request.request_id, None) or prompt_key(request.prompt_token_ids)
+            key = key or prompt_key(request.prompt_token_ids)
             if request.num_output_tokens:
                 self.drafts.remember(key, list(request.output_token_ids))
             self.drafts.forget(request.request_id)
-        self._finishes.append((request.num_prompt_tokens, request.num_output_tokens, length_scale(request), group, row))
+        if self.memory is not None:
+            if key is not None and request.status != RequestStatus.FINISHED_ABORTED:
+                self.memory.finished(key, request.num_output_tokens)
+            if self.pass_state.pending == 0:  # the pass's last request: what it taught is kept
+                self.memory.close_pass()
+                if self._memory_path is not None:
+                    self.memory.save(self._memory_path)
+        self._finishes.append((request.num_prompt_tokens, request.num_output_tokens, request._rollout_scale, group,
+                               row))
         self.timer.add_adapter(time.perf_counter() - started)
         return super()._free_request(request, *args, **kwargs)
 
@@ -314,6 +419,8 @@ class _DynamicBatchMixin:
     def schedule(self, *args, **kwargs):
         started = time.perf_counter()
         self._tell_finishes()
+        if self._arrived:
+            self._put_arrivals_in_order()
         asked = time.perf_counter()
         num_running, num_waiting = self.get_request_counts()
         events = (num_running, num_waiting, self._finished, self._preempted)
@@ -509,6 +616,8 @@ class _DynamicBatchMixin:
                 self.trace.add(record, None)
             self.trace.flush()
             self._save_stats()
+            if self.memory is not None and self._memory_path is not None:
+                self.memory.save(self._memory_path)
             self.trace.close()
         finally:
             super().shutdown()

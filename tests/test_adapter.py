@@ -22,7 +22,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from rollout.vllm_adapter import SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, adapter_settings
+from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, adapter_settings,
+                                  read_settings)
 from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks
 
 BLOCK = 16  # tokens per KV block
@@ -59,15 +60,17 @@ def build(model_dir, tmp_path):
 
 
 def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 512, cls=DynamicBatchScheduler):
-    """`cls` over `num_blocks` KV blocks (one of them vLLM's null block), configured as the engine configures it."""
+                   max_num_batched_tokens: int = 512, cls=DynamicBatchScheduler, settings: dict | None = None):
+    """`cls` over `num_blocks` KV blocks (one of them vLLM's null block), configured as our driver configures it,
+    or with `settings` as additional_config["rollout"] (as a user of vllm serve or an RL stack writes it)."""
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False),
-        additional_config=adapter_settings(policy, str(trace_path), None, None))
+        additional_config=({SETTINGS_KEY: settings} if settings is not None
+                           else adapter_settings(policy, str(trace_path), None, None)))
     config.cache_config.num_gpu_blocks = num_blocks
     kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
@@ -423,3 +426,82 @@ def test_preemption_takes_the_request_that_computed_least_where_the_policy_order
         assert long.num_preemptions == 0  # shorter ones went instead
     else:
         assert long.num_preemptions > 0  # vLLM's own order
+
+
+# The scheduler on its own: no driver sends scales or probe groups (vllm serve, verl, OpenRLHF, TRL)
+
+
+def prompt_request(name: str, prompt: int, max_tokens: int) -> Request:
+    """Request `name` of prompt number `prompt` (20 tokens of its own), generating `max_tokens` tokens."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id=name, prompt_token_ids=[prompt + 1] * 20, sampling_params=params, pooling_params=None)
+
+
+def admission_order(scheduler, requests) -> list[str]:
+    run = Run(scheduler, requests)
+    admitted = []
+    for _ in run.steps():
+        admitted += [r.request_id for r in scheduler.running if r.request_id not in admitted]
+    return admitted
+
+
+def test_on_its_own_the_scheduler_learns_each_prompts_length_and_runs_the_longest_first(model_dir, tmp_path):
+    """One request at a time. The first pass runs in arrival order; the next one (the same prompts, arriving in
+    the same order) longest first by what the first taught; an engine started later with the same state_dir
+    knows it from its first pass."""
+    lengths = {0: 2, 1: 6, 2: 12}  # prompt -> output tokens
+    settings = {"policy": {"name": "static", "b_max": 1}, "state_dir": str(tmp_path / "state")}
+
+    def one_pass(scheduler, tag):
+        return [name[1] for name in admission_order(
+            scheduler, [prompt_request(f"{tag}{p}", p, n) for p, n in lengths.items()])]
+
+    scheduler = make_scheduler(model_dir, None, {}, max_num_seqs=1, settings=settings)
+    try:
+        assert one_pass(scheduler, "a") == ["0", "1", "2"]
+        assert one_pass(scheduler, "b") == ["2", "1", "0"]
+    finally:
+        scheduler.shutdown()
+    saved = json.loads((tmp_path / "state" / "prompt_lengths.json").read_text())
+    assert sorted(saved["mean_output_tokens"].values()) == pytest.approx([2.0, 6.0, 12.0])
+    assert (tmp_path / "state" / "length_stats.json").is_file()
+    restarted = make_scheduler(model_dir, None, {}, max_num_seqs=1, settings=settings)
+    try:
+        assert one_pass(restarted, "c") == ["2", "1", "0"]
+    finally:
+        restarted.shutdown()
+
+
+def test_on_its_own_the_scheduler_probes_prompts_it_never_saw(build, model_dir, tmp_path):
+    """One request at a time, a first pass. Prompt x (short) and y (long) have two samples each, z one; they
+    arrive as x0 x1 y0 y1 z0. Each prompt's first sample runs first (its probe) and the second samples after
+    every other request, longest probe first: y1 before x1 though x1 arrived first."""
+    scheduler = make_scheduler(model_dir, None, {}, max_num_seqs=1,
+                               settings={"policy": {"name": "static", "b_max": 1}})
+    try:
+        requests = [prompt_request("x0", 0, 2), prompt_request("x1", 0, 2), prompt_request("y0", 1, 10),
+                    prompt_request("y1", 1, 10), prompt_request("z0", 2, 4)]
+        assert admission_order(scheduler, requests) == ["x0", "y0", "z0", "y1", "x1"]
+    finally:
+        scheduler.shutdown()
+
+
+def test_our_driver_turns_the_schedulers_own_memory_off(build):
+    scheduler = build({"name": "static", "b_max": 1}, max_num_seqs=1)
+    assert scheduler.memory is None
+    requests = [prompt_request(f"r{p}", p, n) for p, n in enumerate([2, 6])]
+    assert admission_order(scheduler, requests) == ["r0", "r1"]
+    assert admission_order(scheduler, [prompt_request(f"s{p}", p, n) for p, n in enumerate([2, 6])]) == ["s0", "s1"]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (None, r"needs additional_config\['rollout'\], e\.g\. --additional-config"),
+    ({"policy": {}, "state_path": "x"}, r"unknown key 'state_path'; known: policy, state_dir"),
+    ({"policy": {"name": "forecast", "epsm": 0.1}}, r"epsm"),
+    ({"policy": ["forecast"]}, r"\['policy'\] must be a mapping"),
+], ids=["missing", "unknown-key", "unknown-policy-field", "policy-not-a-mapping"])
+def test_bad_settings_name_what_is_wrong(model_dir, settings, message):
+    model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
+    with pytest.raises(ValueError, match=message):
+        make_scheduler(model_dir, None, {}, settings=settings) if settings is not None else read_settings(
+            VllmConfig(model_config=model).additional_config)

@@ -1,0 +1,114 @@
+"""What a scheduler learns of prompts across passes by itself, from the requests that reach it: each prompt's
+output lengths (keyed by its token ids, `prompt_key`), the predicted length scales and longest-first order they
+give, and first-pass probes for prompts never seen. The driver (`rollout.engine`) computes the same from the
+prompt set it submits; a scheduler inside an engine someone else drives (vllm serve, an RL stack) computes it
+here, as requests stream in.
+
+Invariants: a pass opens when a request reaches an idle engine and closes when its last request ends; the scales
+of one pass are relative to one reference, fixed when it opens (the mean over the remembered prompts), so rows of
+a pass compare; the memory changes only when a pass closes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from rollout.policy.length_stats import PromptLengths
+
+
+class Arrival(NamedTuple):
+    scale: float  # predicted output length relative to the pass's reference (1: nothing known)
+    probe_group: int | None  # a probed prompt's number in the pass (None: known, or a prompt of one request)
+    held: bool  # a probed prompt's sample after its probe: it waits behind every other request
+    # This arrival made its prompt a probed group: the prompt's first request (already waiting) is its probe.
+    probes_first: bool = False
+
+
+class PromptMemory:
+    """Per-prompt output lengths across passes, with the order and probes of a pass (see the module's text).
+    `order`: "longest_first" or "fifo" (policy.order); `probe_first`: policy.probe_first."""
+
+    def __init__(self, lengths: PromptLengths | None = None, order: str = "longest_first",
+                 probe_first: bool = True) -> None:
+        self.lengths = lengths if lengths is not None else PromptLengths()
+        self.order = order
+        self.probe_first = probe_first and order == "longest_first"
+        self.passes = 0  # passes closed
+        self._reference = np.nan
+        self._pass: dict[str, list[int]] = {}  # this pass's finished output lengths per prompt
+        self._probes: dict[str, int] = {}  # this pass's probed prompts -> their probe group
+        self._counts: dict[str, int] = {}  # this pass's requests per prompt
+
+    def open_pass(self) -> np.ndarray | None:
+        """A pass begins. Returns the policy's prior for it (`Policy.start_pass`): the latest lengths of every
+        remembered prompt in this pass's units (None where nothing is remembered)."""
+        self._pass.clear()
+        self._probes.clear()
+        self._counts.clear()
+        known = self.lengths.mean
+        self._reference = float(np.mean(list(known.values()))) if known else np.nan
+        if self.order != "longest_first" or not self.lengths.last:
+            return None
+        keys = list(self.lengths.last)
+        return self.lengths.prior(keys, np.array([self._scale(k) for k in keys]))
+
+    def _scale(self, key: str) -> float:
+        mean = self.lengths.mean.get(key)
+        if mean is None or not self._reference > 0:
+            return 1.0
+        return max(mean / self._reference, 1e-3)
+
+    def arrive(self, key: str) -> Arrival:
+        """A request of prompt `key` arrived. vLLM hands a prompt's n samples over as requests of one sample
+        each, one after another: a prompt never seen becomes a probed group when its second request arrives,
+        and its first is the probe (`Arrival.probes_first`)."""
+        count = self._counts[key] = self._counts.get(key, 0) + 1
+        if self.order != "longest_first":
+            return Arrival(1.0, None, False)
+        if key in self.lengths.mean or not self.probe_first:
+            return Arrival(self._scale(key), None, False)
+        if count == 1:
+            return Arrival(1.0, None, False)
+        probe = self._probes.get(key)
+        if probe is None:
+            probe = self._probes[key] = len(self._probes)
+            return Arrival(1.0, probe, True, probes_first=True)
+        return Arrival(1.0, probe, True)
+
+    def finished(self, key: str, output_tokens: int) -> None:
+        """A request of this pass ended with `output_tokens` (not aborted)."""
+        self._pass.setdefault(key, []).append(int(output_tokens))
+
+    def close_pass(self) -> int:
+        """The pass ended: each of its prompts' lengths update the memory. Returns the prompts updated."""
+        for key, lengths in self._pass.items():
+            self.lengths.update(key, lengths)
+        updated = len(self._pass)
+        self._pass.clear()
+        self.passes += 1
+        return updated
+
+    def save(self, path: str | os.PathLike) -> None:
+        self.lengths.save(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, order: str = "longest_first", probe_first: bool = True) -> PromptMemory:
+        """The memory saved at `path`; an empty one where no file is there yet. A file that is there but cannot
+        be read raises ValueError (it names the path)."""
+        lengths = PromptLengths.load(path) if os.path.exists(path) else PromptLengths()
+        return cls(lengths, order, probe_first)
+
+
+def arrival_order(started: Sequence[bool], held: Sequence[bool], scales: Sequence[float]) -> list[int]:
+    """The waiting queue's new order (positions into it): requests that already ran (preempted) keep their
+    places; the others fill the remaining places longest predicted first, a probed prompt's held samples after
+    every other, ties in queue order."""
+    places = [k for k, began in enumerate(started) if not began]
+    ordered = sorted(places, key=lambda k: (held[k], -scales[k]))
+    result = list(range(len(started)))
+    for place, k in zip(places, ordered):
+        result[place] = k
+    return result
