@@ -30,6 +30,22 @@ DEMO_PRESET = "demo"
 # What makes a run the user's own: setting either leaves the demo preset out (unless asked for by name).
 OWN_RUN_KEYS = ("data.source", "model.path")
 
+# What the scheduler reads from vLLM's additional_config["rollout"], each with what it holds: our driver writes all
+# of them; where someone else builds the engine (vllm serve, verl, OpenRLHF, TRL) only `policy` is needed.
+SCHEDULER_SETTINGS = {
+    "policy": "PolicyConfig's fields, as a mapping (the `policy.*` keys below); unset ones keep their defaults.",
+    "state_dir": "A folder for what the scheduler learns (length statistics, each prompt's lengths): read when the "
+                 "engine starts, written as each pass ends and at shutdown. Unset: kept for the engine's lifetime.",
+    "trace_path": "A JSON-lines file for one record per engine step (cap, running, KV use). Unset: no trace.",
+    "learn_prompts": "true (default): the scheduler keeps the per-prompt memory and orders its own waiting queue. "
+                     "Our driver sets false: it sends each request's scale and probe group itself.",
+    "stats_in": "Length statistics to start from; unset: state_dir's.",
+    "stats_out": "Where the length statistics are saved; unset: state_dir's.",
+    "stats_options": "LengthStats options: forgetting, window, decay (see policy.*).",
+    "timing": "Benchmark-only CPU-time measurements in the trace.",
+    "end_with_parent": "End the engine process when the process that started it dies.",
+}
+
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")  # vLLM's names
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
@@ -339,6 +355,16 @@ def configuration_markdown() -> str:
             lines.append(f"| `{section}.{f.name}` | {cell(format_type(str(f.type)))} | {default_cell(f)} | "
                          f"{cell(f.metadata['help'])} |")
         lines.append("")
+    lines += ["## The scheduler inside an engine someone else builds", "",
+              "vLLM loads the scheduler from `scheduler_cls` (`rollout.vllm_adapter.DynamicBatchScheduler`, or "
+              "`AsyncDynamicBatchScheduler` under async scheduling) and reads its settings from "
+              "`additional_config[\"rollout\"]`, e.g. `vllm serve MODEL --scheduler-cls "
+              "rollout.vllm_adapter.DynamicBatchScheduler --additional-config "
+              "'{\"rollout\": {\"policy\": {\"name\": \"forecast\"}, \"state_dir\": \"/ckpt/rollout\"}}'`. "
+              "An unknown key stops the engine's start with one line naming it.", "",
+              "| key | description |", "|---|---|"]
+    lines += [f"| `{key}` | {cell(text)} |" for key, text in SCHEDULER_SETTINGS.items()]
+    lines.append("")
     lines += ["## Presets", "",
               f"A preset is a YAML file in `rollout/configs/`, picked by `preset=NAME`. The `{DEMO_PRESET}` preset "
               "is what `python -m rollout.generate` runs with no arguments; it applies whenever neither "

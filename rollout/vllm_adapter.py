@@ -35,6 +35,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from rollout.config import SCHEDULER_SETTINGS
 from rollout.drafts import DraftSource
 from rollout.policy import FallbackPolicy, LengthStats, PolicyConfig, StepState, make_policy
 from rollout.policy.length_stats import prompt_key
@@ -113,23 +114,6 @@ def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_
 # read back when an engine starts.
 STATE_STATS_FILE = "length_stats.json"
 STATE_PROMPTS_FILE = "prompt_lengths.json"
-# The settings a scheduler reads from additional_config["rollout"], each with what it holds. Only `policy` is
-# needed where an engine is built by someone else (vllm serve, verl, OpenRLHF, TRL).
-SETTINGS_HELP = {
-    "policy": "PolicyConfig's fields (the keys of `policy.*` in rollout's configs); unset ones keep their defaults.",
-    "state_dir": "Folder for what the scheduler learns (length statistics, per-prompt lengths): read when the "
-                 "engine starts, written as each pass ends and at shutdown. Unset: kept for the engine's lifetime.",
-    "trace_path": "A JSON-lines file for one record per engine step (cap, running, KV use). Unset: no trace.",
-    "learn_prompts": "The scheduler keeps the per-prompt memory and orders its own queue (default). Our driver "
-                     "turns it off: it sends each request's scale and probe group itself.",
-    "stats_in": "Length statistics to start from (default: state_dir's).",
-    "stats_out": "Where to save the length statistics (default: state_dir's).",
-    "stats_options": "LengthStats options (forgetting, window, decay).",
-    "timing": "Benchmark-only CPU-time measurements in the trace.",
-    "end_with_parent": "End the engine process when the process that started it dies.",
-}
-
-
 def read_settings(additional_config: dict | None) -> dict:
     """additional_config["rollout"], checked: a missing entry, an unknown key or policy field, or a bad value
     raise ValueError with one line naming it (vLLM prints it where the engine fails to start)."""
@@ -139,10 +123,10 @@ def read_settings(additional_config: dict | None) -> dict:
                          f'--additional-config \'{{"{SETTINGS_KEY}": {{"policy": {{"name": "forecast"}}}}}}\'')
     if not isinstance(settings, dict):
         raise ValueError(f"additional_config[{SETTINGS_KEY!r}] must be a mapping, not {type(settings).__name__}")
-    unknown = sorted(set(settings) - set(SETTINGS_HELP))
+    unknown = sorted(set(settings) - set(SCHEDULER_SETTINGS))
     if unknown:
         raise ValueError(f"additional_config[{SETTINGS_KEY!r}]: unknown key {unknown[0]!r}; known: "
-                         f"{', '.join(SETTINGS_HELP)}")
+                         f"{', '.join(SCHEDULER_SETTINGS)}")
     policy = settings.get("policy") or {}
     if not isinstance(policy, dict):
         raise ValueError(f"additional_config[{SETTINGS_KEY!r}]['policy'] must be a mapping of PolicyConfig fields")
