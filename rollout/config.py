@@ -356,10 +356,10 @@ def configuration_markdown() -> str:
                          f"{cell(f.metadata['help'])} |")
         lines.append("")
     lines += ["## The scheduler inside an engine someone else builds", "",
-              "vLLM loads the scheduler from `scheduler_cls` (`rollout.vllm_adapter.DynamicBatchScheduler`, or "
-              "`AsyncDynamicBatchScheduler` under async scheduling) and reads its settings from "
+              "vLLM loads the scheduler from `scheduler_cls` (`rollout.vllm_adapter.RolloutScheduler`, which builds "
+              "the synchronous or the async one as the engine schedules) and reads its settings from "
               "`additional_config[\"rollout\"]`, e.g. `vllm serve MODEL --scheduler-cls "
-              "rollout.vllm_adapter.DynamicBatchScheduler --additional-config "
+              "rollout.vllm_adapter.RolloutScheduler --additional-config "
               "'{\"rollout\": {\"policy\": {\"name\": \"forecast\"}, \"state_dir\": \"/ckpt/rollout\"}}'`. "
               "An unknown key stops the engine's start with one line naming it.", "",
               "| key | description |", "|---|---|"]

@@ -629,6 +629,17 @@ class AsyncDynamicBatchScheduler(_DynamicBatchMixin, AsyncScheduler):
     """Async scheduling (vLLM's default on GPU)."""
 
 
+class RolloutScheduler:
+    """The one name to give an engine someone else builds (`--scheduler-cls rollout.vllm_adapter.RolloutScheduler`):
+    vLLM calls it as it calls a scheduler class, and it builds the one that matches the engine's async scheduling
+    (vLLM takes a custom class in place of its own choice between Scheduler and AsyncScheduler, and a synchronous
+    one under async scheduling costs every step)."""
+
+    def __new__(cls, *args, vllm_config, **kwargs):
+        chosen = AsyncDynamicBatchScheduler if vllm_config.scheduler_config.async_scheduling else DynamicBatchScheduler
+        return chosen(*args, vllm_config=vllm_config, **kwargs)
+
+
 def scheduler_class_path(async_scheduling: bool) -> str:
     cls = AsyncDynamicBatchScheduler if async_scheduling else DynamicBatchScheduler
     return f"{cls.__module__}.{cls.__qualname__}"

@@ -22,8 +22,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, adapter_settings,
-                                  read_settings)
+from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, RolloutScheduler,
+                                  adapter_settings, read_settings)
 from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks
 
 BLOCK = 16  # tokens per KV block
@@ -60,7 +60,8 @@ def build(model_dir, tmp_path):
 
 
 def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 512, cls=DynamicBatchScheduler, settings: dict | None = None):
+                   max_num_batched_tokens: int = 512, cls=DynamicBatchScheduler, settings: dict | None = None,
+                   async_scheduling: bool = False):
     """`cls` over `num_blocks` KV blocks (one of them vLLM's null block), configured as our driver configures it,
     or with `settings` as additional_config["rollout"] (as a user of vllm serve or an RL stack writes it)."""
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
@@ -72,6 +73,8 @@ def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64,
         additional_config=({SETTINGS_KEY: settings} if settings is not None
                            else adapter_settings(policy, str(trace_path), None, None)))
     config.cache_config.num_gpu_blocks = num_blocks
+    # As a GPU engine's config has it (vLLM's CPU platform turns async scheduling off while building the config).
+    config.scheduler_config.async_scheduling = async_scheduling
     kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
     scheduler = cls(vllm_config=config, kv_cache_config=kv_cache, block_size=BLOCK, log_stats=False,
@@ -482,6 +485,18 @@ def test_on_its_own_the_scheduler_probes_prompts_it_never_saw(build, model_dir, 
         requests = [prompt_request("x0", 0, 2), prompt_request("x1", 0, 2), prompt_request("y0", 1, 10),
                     prompt_request("y1", 1, 10), prompt_request("z0", 2, 4)]
         assert admission_order(scheduler, requests) == ["x0", "y0", "z0", "y1", "x1"]
+    finally:
+        scheduler.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_one_scheduler_name_builds_the_one_the_engines_scheduling_needs(model_dir, async_scheduling):
+    scheduler = make_scheduler(model_dir, None, {}, cls=RolloutScheduler, async_scheduling=async_scheduling,
+                               settings={"policy": {"name": "static", "b_max": 2}})
+    try:
+        assert type(scheduler) is (AsyncDynamicBatchScheduler if async_scheduling else DynamicBatchScheduler)
+        run = Run(scheduler, [prompt_request("r", 0, 3)], overlap=async_scheduling)
+        assert len(list(run.steps())) >= 3 and run.finished == 1
     finally:
         scheduler.shutdown()
 
