@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from rollout.sim.fit import fit_step_time, step_rows
 from rollout.sim.runs import simulate_profile
 from rollout.suite import load_bench_config
@@ -41,12 +43,18 @@ for profile in bench.profiles:
     for name in sys.argv[1].split(","):
         t0 = time.time()
         run = simulate_profile(bench, profile, name, model,
-                               kv_capacity_tokens=profile.kv_cache_memory_bytes // KV_BYTES_PER_TOKEN)
+                               kv_capacity_tokens=profile.kv_cache_memory_bytes // KV_BYTES_PER_TOKEN, keep_trace=True)
         row[name] = run.tokens_per_s
         print(f"{profile.name:12s} {name:12s} {run.tokens_per_s:8.0f} tok/s  preemptions {run.preemptions:5d}  "
               f"recomputed {run.recomputed_tokens / run.generated_tokens:.2%}  per iteration "
               f"{'/'.join(f'{v:.0f}' for v in run.per_iteration_tokens_per_s)}  ({time.time() - t0:.1f} s to simulate)",
               flush=True)
+        for k, trace in enumerate(run.traces):  # how full the cache is kept while requests wait, and how many run
+            clock, running, kv, waiting = (np.array([step[i] for step in trace]) for i in (0, 1, 3, 5))
+            held = np.diff(clock, prepend=0.0) * (waiting > 0)
+            print(f"{'':25s} pass {k}: requests waited {held.sum():.0f} of {clock[-1]:.0f} s, the cache then "
+                  f"{np.sum(kv * held) / held.sum():.2f} full with {np.sum(running * held) / held.sum():.0f} running "
+                  f"(time means)", flush=True)
         for k, (last, longest) in enumerate(zip(run.last, run.longest)):  # the request that finished the pass
             for what, path in (("last", last), ("longest", longest)):  # and its longest
                 ran = path.finished_s - path.started_s
