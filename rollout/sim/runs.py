@@ -30,6 +30,7 @@ class ProfileRun:
     preemptions: int = 0
     recomputed_tokens: int = 0
     per_iteration_tokens_per_s: list = field(default_factory=list)
+    per_iteration_makespan_s: list = field(default_factory=list)
     last: list = field(default_factory=list)  # each iteration's CriticalPath (rollout.sim.engine)
     longest: list = field(default_factory=list)  # each iteration's longest request, as a CriticalPath
     traces: list = field(default_factory=list)  # each iteration's step trace, with keep_trace (rollout.sim.engine)
@@ -50,7 +51,9 @@ def scheduler_settings(bench: BenchConfig, name: str) -> dict:
 
 def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,
                      kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384,
-                     keep_trace: bool = False, speculation=None) -> ProfileRun:
+                     keep_trace: bool = False, speculation=None, share=None) -> ProfileRun:
+    """`share(iteration, requests)`: the positions of the requests this engine runs in that iteration (None: all),
+    for one engine of several (data parallel), which learns only from what it runs."""
     settings = scheduler_settings(bench, name)
     probes = settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
     policy = make_policy(settings, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
@@ -58,6 +61,8 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
     run = ProfileRun()
     for iteration in range(profile.iterations):
         requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
+        if share is not None:
+            requests = [requests[k] for k in share(iteration, requests)]
         keys = [prompt_key(r.prompt.token_ids) for r in requests]
         scales, prior, probed = np.ones(len(requests)), None, [None] * len(requests)
         if name.split(":")[0] == "oracle":
@@ -89,6 +94,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         run.preemptions += result.preemptions
         run.recomputed_tokens += result.recomputed_tokens
         run.per_iteration_tokens_per_s.append(result.tokens_per_s)
+        run.per_iteration_makespan_s.append(result.makespan_s)
         run.last.append(result.last)
         run.longest.append(result.longest)
         run.traces.append(result.trace)

@@ -1,0 +1,74 @@
+"""Data parallel balance in the simulator: N engines (one GPU each, the profile's KV cache each) over N times a
+profile's prompts, each engine running the default policy on its share and learning only from it. A pass lasts
+as long as its slowest engine; against total work / N (the engines' mean pass time) that is the balance.
+
+    python scripts/simulate_dp.py 8 count,predicted,memory ["only=[kv-bound,grpo-groups]"]
+
+Splits, a prompt's samples always together: `count`, contiguous shares of equal prompt counts (verl's and TRL's
+split); `predicted`, longest processing time first by rollout.parallel.predicted_work (prompt tokens and half of
+max_tokens, what the data parallel driver uses); `memory`, the same by each prompt's total tokens in the previous
+iteration (what a per-prompt memory shared by the engines would know; the first iteration as `predicted`).
+Step-time model and KV capacity as scripts/simulate_policies.py.
+"""
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from rollout.parallel import split_by_work
+from rollout.sim.fit import fit_step_time, step_rows
+from rollout.sim.runs import simulate_profile
+from rollout.suite import load_bench_config
+from rollout.workloads import profile_requests
+
+ROOT = Path(__file__).resolve().parent.parent
+KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B shape
+if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+    sys.exit(__doc__)
+engines, splits = int(sys.argv[1]), sys.argv[2].split(",")
+model, _ = fit_step_time(step_rows(ROOT / "configs" / "sim" / "kv-bound-h200-steps.jsonl.gz"),
+                         per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
+bench = load_bench_config(str(ROOT / "configs" / "bench" / "gpu.yaml"), sys.argv[3:])
+
+
+def groups_of(requests) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for k, r in enumerate(requests):
+        groups.setdefault(r.group, []).append(k)
+    return groups
+
+
+def splitter(profile, how: str, engine: int):
+    def share(iteration: int, requests) -> list[int]:
+        groups = groups_of(requests)
+        ids = list(groups)
+        if how == "count":
+            parts = np.array_split(np.arange(len(ids)), engines)
+            chosen = [ids[i] for i in parts[engine]]
+        else:
+            if how == "memory" and iteration > 0:
+                before = groups_of(previous := profile_requests(profile, iteration - 1, bench.seed, bench.vocab_size))
+                work = [sum(len(previous[k].prompt.token_ids) + previous[k].output_tokens for k in before[g])
+                        for g in ids]
+            else:
+                work = [len(groups[g]) * (len(requests[groups[g][0]].prompt.token_ids) + profile.max_output / 2)
+                        for g in ids]
+            chosen = [ids[i] for i in split_by_work(work, engines)[engine]]
+        return sorted(k for g in chosen for k in groups[g])
+    return share
+
+
+for profile in bench.profiles:
+    scaled = replace(profile, num_prompts=profile.num_prompts * engines)
+    for how in splits:
+        started = time.time()
+        runs = [simulate_profile(bench, scaled, "forecast-lpt", model, share=splitter(scaled, how, engine),
+                                 kv_capacity_tokens=profile.kv_cache_memory_bytes // KV_BYTES_PER_TOKEN)
+                for engine in range(engines)]
+        times = np.array([r.per_iteration_makespan_s for r in runs])  # engine x iteration
+        balance = times.max(axis=0) / times.mean(axis=0)
+        print(f"{profile.name:12s} {how:9s} pass time / (total work / {engines}) per iteration: "
+              f"{' '.join(f'{b:.3f}' for b in balance)}  (slowest engine {' '.join(f'{t:.0f}' for t in times.max(0))} s; "
+              f"{time.time() - started:.0f} s to simulate)", flush=True)
