@@ -114,6 +114,8 @@ def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_
 # read back when an engine starts.
 STATE_STATS_FILE = "length_stats.json"
 STATE_PROMPTS_FILE = "prompt_lengths.json"
+
+
 def read_settings(additional_config: dict | None) -> dict:
     """additional_config["rollout"], checked: a missing entry, an unknown key or policy field, or a bad value
     raise ValueError with one line naming it (vLLM prints it where the engine fails to start)."""
