@@ -76,10 +76,13 @@ class ModelConfig:
         "Run the model eagerly, without CUDA graphs (false on a GPU is faster once the graphs are captured).")})
     tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine (vLLM's tensor parallelism)."})
     data_parallel_size: int = field(default=1, metadata={"help": (
-        "Engines, one process each (engine k on GPU device_ids[k], default k); the prompts are split between "
-        "them by their predicted work.")})
+        "Engines, each a Ray actor with tensor_parallel_size GPUs, on the Ray cluster `ray start` made (or "
+        "RAY_ADDRESS names), else on a new one on this host. The prompts are split by their predicted work "
+        "(the per-prompt memory of earlier passes), and an engine that runs out takes prompts another has "
+        "not started.")})
     device_ids: Optional[list] = field(default=None, metadata={"help": (
-        "The GPU of each data-parallel engine; null: 0 to data_parallel_size - 1.")})
+        "The GPUs a new local Ray cluster may use (CUDA_VISIBLE_DEVICES); null: all. A running cluster "
+        "keeps its own.")})
     async_scheduling: Optional[bool] = field(default=None, metadata={"help": (
         "vLLM's async scheduling; null: on where the platform has it (GPU). CPU forces it off.")})
     max_num_batched_tokens: Optional[int] = field(default=None, metadata={"help": (
@@ -247,8 +250,8 @@ def validate(cfg: RunConfig) -> None:
          f"policy.name={p.name} takes max_tokens as each request's true length: it needs sampling.ignore_eos=true")
     p.validate()
     need(m.data_parallel_size >= 1, f"model.data_parallel_size must be >= 1, got {m.data_parallel_size}")
-    need(m.device_ids is None or len(m.device_ids) >= m.data_parallel_size,
-         "model.device_ids must list a device for every engine (model.data_parallel_size)")
+    need(m.device_ids is None or len(m.device_ids) >= m.data_parallel_size * m.tensor_parallel_size,
+         "model.device_ids must list model.data_parallel_size x model.tensor_parallel_size GPUs")
     need(m.tensor_parallel_size >= 1, f"model.tensor_parallel_size must be >= 1, got {m.tensor_parallel_size}")
     need(m.dtype in DTYPES, f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
     need(m.max_model_len >= 2, f"model.max_model_len must be >= 2, got {m.max_model_len}")

@@ -258,85 +258,34 @@ class RolloutEngine:
         called with finished samples in batches (at least every `sink_every_s` seconds and at the end, also on
         Ctrl-C) to make them durable.
         """
-        from tqdm import tqdm
-
         n = self.cfg.sampling.n
         done = done or {}
-        engine = self.llm.llm_engine
-        trace = TraceReader(self.trace_path)
-        preempted_before = self._counter("vllm:num_preemptions")
-        generated_before = self._counter("vllm:generation_tokens")
-        start = time.monotonic()
-        submitted = []
         keys = [prompt_key(p.token_ids) for p in prompts]
-        unknown = np.isnan(self.prompt_lengths.predict(keys))
-        known = int((~unknown).sum())
-        scales, order, prior = np.ones(len(prompts)), range(len(prompts)), np.array([])
-        if self.cfg.policy.order == "longest_first":
-            scales = self.prompt_lengths.scales(keys)
-            order = sorted(order, key=lambda i: -scales[i])  # stable: ties keep the set's order
-            prior = self.prompt_lengths.prior(keys, scales)
+        known = ~np.isnan(self.prompt_lengths.predict(keys))
+        scales, order, prior = self.plan(keys)
         self._write_prior(prior)
-        pairs = [(i, s) for i in order for s in range(n)]
-        probe_groups = [None] * len(pairs)
-        if self.cfg.policy.probe_first and self.cfg.policy.order == "longest_first":  # a prompt's samples are its group
-            positions, probe_groups = probe_first_order([keys[i] for i, _ in pairs], [unknown[i] for i, _ in pairs])
-            pairs = [pairs[k] for k in positions]
-        for (index, sample), probe_group in zip(pairs, probe_groups):
-            prompt = prompts[index]
-            if (prompt.prompt_id, sample) in done:
-                continue
-            params = self.sampling_params(sample_seed(self.cfg.sampling.seed, self.passes, len(prompts), n, index,
-                                                      sample), float(scales[index]),
-                                          nominal_max_tokens, probe_group)
-            if max_tokens is not None:
-                params.max_tokens = max_tokens[index]
-            engine.add_request(f"{index}:{sample}", {"prompt_token_ids": prompt.token_ids}, params)
-            submitted.append(f"{index}:{sample}")
-        new, batch, last_poll, last_sink = [], [], 0.0, time.monotonic()
-        bar = tqdm(total=len(prompts) * n, initial=len(done), unit="sample", disable=not progress,
-                   dynamic_ncols=True)
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        index, sample = map(int, out.request_id.split(":"))
-                        record = self._record(prompts[index], index, sample, out)
-                        new.append(record)
-                        batch.append(record)
-                        bar.update(1)
-                now = time.monotonic()
-                if sink and batch and now - last_sink > sink_every_s:
-                    # Hand the batch over before writing: a Ctrl-C inside sink must not write it a second time.
-                    handed, batch, last_sink = batch, [], now
-                    sink(handed)
-                if progress and now - last_poll > 0.5:
-                    last_poll = now
-                    trace.poll()
-                    latest = trace.records[-1] if trace.records else {}
-                    generated = self._counter("vllm:generation_tokens") - generated_before
-                    bar.set_postfix(tok_s=f"{generated / max(now - start, 1e-9):.0f}", cap=latest.get("cap"),
-                                    run=latest.get("running"), kv=f"{latest.get('kv_usage', 0):.0%}",
-                                    refresh=False)
-        except KeyboardInterrupt:
-            finished = {f"{r['group_index']}:{r['sample_index']}" for r in new}
-            engine.abort_request([rid for rid in submitted if rid not in finished])
-            raise
-        finally:
-            if sink and batch:
-                handed, batch = batch, []
-                sink(handed)
-            bar.close()
-        wall = time.monotonic() - start
-        self.passes += 1
-        trace.poll()
+        jobs = [Job(i, prompts[i], [s for s in range(n) if (prompts[i].prompt_id, s) not in done],
+                    float(scales[i]), bool(known[i])) for i in order]
+        run = PassRun(self, len(prompts), max_tokens, nominal_max_tokens)
+        run.submit(jobs)
+        new = run.drive(progress=progress, sink=sink, sink_every_s=sink_every_s, total=len(prompts) * n,
+                        initial=len(done))
         self._remember_lengths(keys, new)
         records = sorted([*done.values(), *new], key=lambda r: (r["group_index"], r["sample_index"]))
-        summary = self._summary(records, new, trace, wall,
-                                self._counter("vllm:num_preemptions") - preempted_before)
-        summary["prompt_lengths"] = {"order": self.cfg.policy.order, "prompts_predicted": known,
+        summary = run.summary(records, new)
+        summary["prompt_lengths"] = {"order": self.cfg.policy.order, "prompts_predicted": int(known.sum()),
                                      "path": str(self.prompt_lengths_path)}
-        return GenerationResult(records=records, summary=summary, trace=trace.records)
+        return GenerationResult(records=records, summary=summary, trace=run.trace.records)
+
+    def plan(self, keys: list[str], memory: PromptLengths | None = None):
+        """A pass's length scales (per prompt), submission order and prior lengths, from `memory` (default this
+        engine's) under policy.order."""
+        memory = memory or self.prompt_lengths
+        if self.cfg.policy.order != "longest_first":
+            return np.ones(len(keys)), list(range(len(keys))), np.array([])
+        scales = memory.scales(keys)
+        order = sorted(range(len(keys)), key=lambda i: -scales[i])  # stable: ties keep the set's order
+        return scales, order, memory.prior(keys, scales)
 
     def _write_prior(self, lengths: np.ndarray) -> None:
         """The scheduler reads this when the pass's first request arrives (see the adapter's _read_prior)."""
@@ -516,6 +465,132 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+
+@dataclass
+class Job:
+    """A prompt's samples still to generate in a pass: `index` is the prompt's place in the whole set (its samples'
+    seeds and record numbers follow from it), `scale` its predicted length relative to the set's mean, `known`
+    whether its lengths were seen in an earlier pass (an unknown prompt with several samples is probed)."""
+
+    index: int
+    prompt: Prompt
+    samples: list[int]
+    scale: float = 1.0
+    known: bool = False
+
+
+class PassRun:
+    """One pass of an engine: requests submitted in `Job`s (all at once, or more while it runs) and stepped
+    until none is left; finished samples become records. Request ids are "<prompt index>:<sample>"."""
+
+    def __init__(self, engine: RolloutEngine, num_prompts: int, max_tokens: list[int] | None = None,
+                 nominal_max_tokens: int | None = None) -> None:
+        self.engine = engine
+        self.num_prompts = num_prompts  # of the whole set: seeds are distinct over it
+        self.max_tokens = max_tokens
+        self.nominal_max_tokens = nominal_max_tokens
+        self.prompts: dict[int, Prompt] = {}
+        self.submitted: list[str] = []
+        self.probe_groups = 0  # probe group numbers stay distinct over the pass's submissions
+        self.trace = TraceReader(engine.trace_path)
+        self.preempted_before = engine._counter("vllm:num_preemptions")
+        self.generated_before = engine._counter("vllm:generation_tokens")
+        self.start = time.monotonic()
+        self.wall = 0.0
+
+    def submit(self, jobs: list[Job]) -> int:
+        """Adds the jobs' requests in their order (probes moved as `probe_first_order` says); returns how many."""
+        engine, cfg = self.engine, self.engine.cfg
+        pairs = [(job, s) for job in jobs for s in job.samples]
+        probe_groups = [None] * len(pairs)
+        if cfg.policy.probe_first and cfg.policy.order == "longest_first":  # a prompt's samples are its group
+            keys = {job.index: prompt_key(job.prompt.token_ids) for job in jobs}  # identical prompts: one group
+            positions, probe_groups = probe_first_order([keys[job.index] for job, _ in pairs],
+                                                        [not job.known for job, _ in pairs])
+            pairs = [pairs[k] for k in positions]
+            probe_groups = [None if g is None else g + self.probe_groups for g in probe_groups]
+            self.probe_groups = max([g + 1 for g in probe_groups if g is not None], default=self.probe_groups)
+        llm_engine = engine.llm.llm_engine
+        for (job, sample), probe_group in zip(pairs, probe_groups):
+            self.prompts[job.index] = job.prompt
+            params = engine.sampling_params(sample_seed(cfg.sampling.seed, engine.passes, self.num_prompts,
+                                                        cfg.sampling.n, job.index, sample),
+                                            job.scale, self.nominal_max_tokens, probe_group)
+            if self.max_tokens is not None:
+                params.max_tokens = self.max_tokens[job.index]
+            llm_engine.add_request(f"{job.index}:{sample}", {"prompt_token_ids": job.prompt.token_ids}, params)
+            self.submitted.append(f"{job.index}:{sample}")
+        return len(pairs)
+
+    def latest_step(self) -> dict | None:
+        """The scheduler's record of its latest step (its cap, running and waiting requests); None before the
+        first or without our scheduler."""
+        self.trace.poll()
+        return self.trace.records[-1] if self.trace.records else None
+
+    def drive(self, progress: bool, sink=None, sink_every_s: float = 0.5, total: int = 0, initial: int = 0,
+              refill=None) -> list[dict]:
+        """Steps the engine until it has no request left and `refill()` (called between steps; it may submit
+        more) returns False. Returns the new records; `sink` as in RolloutEngine.generate."""
+        from tqdm import tqdm
+
+        engine = self.engine
+        llm_engine = engine.llm.llm_engine
+        new, batch, last_poll, last_sink = [], [], 0.0, time.monotonic()
+        bar = tqdm(total=total, initial=initial, unit="sample", disable=not progress, dynamic_ncols=True)
+        try:
+            while True:
+                if not llm_engine.has_unfinished_requests():  # a step of an empty engine would wait for ever
+                    if refill is None:
+                        break
+                    if sink and batch:  # before waiting for more: what is finished must not wait with it
+                        handed, batch, last_sink = batch, [], time.monotonic()
+                        sink(handed)
+                    if refill():
+                        continue
+                    break
+                for out in llm_engine.step():
+                    if out.finished:
+                        index, sample = map(int, out.request_id.split(":"))
+                        record = engine._record(self.prompts[index], index, sample, out)
+                        new.append(record)
+                        batch.append(record)
+                        bar.update(1)
+                now = time.monotonic()
+                if sink and batch and now - last_sink > sink_every_s:
+                    # Hand the batch over before writing: a Ctrl-C inside sink must not write it a second time.
+                    handed, batch, last_sink = batch, [], now
+                    sink(handed)
+                if refill is not None and llm_engine.has_unfinished_requests():
+                    refill()
+                if progress and now - last_poll > 0.5:
+                    last_poll = now
+                    self.trace.poll()
+                    latest = self.trace.records[-1] if self.trace.records else {}
+                    generated = engine._counter("vllm:generation_tokens") - self.generated_before
+                    bar.set_postfix(tok_s=f"{generated / max(now - self.start, 1e-9):.0f}", cap=latest.get("cap"),
+                                    run=latest.get("running"), kv=f"{latest.get('kv_usage', 0):.0%}",
+                                    refresh=False)
+        except KeyboardInterrupt:
+            finished = {f"{r['group_index']}:{r['sample_index']}" for r in new}
+            llm_engine.abort_request([rid for rid in self.submitted if rid not in finished])
+            raise
+        finally:
+            if sink and batch:
+                handed, batch = batch, []
+                sink(handed)
+            bar.close()
+        self.wall = time.monotonic() - self.start
+        engine.passes += 1
+        self.trace.poll()
+        return new
+
+    def summary(self, records: list[dict], new: list[dict]) -> dict:
+        engine = self.engine
+        return engine._summary(records, new, self.trace, self.wall,
+                               engine._counter("vllm:num_preemptions") - self.preempted_before)
 
 
 def downsample(steps: list[dict], points: int) -> list[dict]:

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.model.data_parallel_size > 1:
             from rollout.parallel import generate_parallel
 
-            summary = generate_parallel(cfg, prompts, out_dir, done, store.append, cfg.model.data_parallel_size)
+            summary = generate_parallel(cfg, prompts, out_dir, done, store.append)
         else:
             with exit_on_interrupt(interrupted(store, order)):
                 engine = RolloutEngine(cfg, out_dir)

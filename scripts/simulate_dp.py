@@ -2,12 +2,15 @@
 profile's prompts, each engine running the default policy on its share and learning only from it. A pass lasts
 as long as its slowest engine; against total work / N (the engines' mean pass time) that is the balance.
 
-    python scripts/simulate_dp.py 8 count,predicted,memory ["only=[kv-bound,grpo-groups]"]
+    python scripts/simulate_dp.py 8 count,predicted,memory,stealing ["only=[kv-bound,grpo-groups]"]
 
 Splits, a prompt's samples always together: `count`, contiguous shares of equal prompt counts (verl's and TRL's
 split); `predicted`, longest processing time first by rollout.parallel.predicted_work (prompt tokens and half of
 max_tokens, what the data parallel driver uses); `memory`, the same by each prompt's total tokens in the previous
-iteration (what a per-prompt memory shared by the engines would know; the first iteration as `predicted`).
+iteration (what a per-prompt memory shared by the engines would know; the first iteration as `predicted`);
+`stealing`, rollout.parallel.ParallelEngines: the split by the shared memory's predicted work, each engine fed from
+its queue as it runs and taking from the fullest other queue when it has nothing waiting
+(rollout.sim.runs.simulate_parallel).
 Step-time model and KV capacity as scripts/simulate_policies.py.
 """
 import sys
@@ -19,7 +22,7 @@ import numpy as np
 
 from rollout.parallel import split_by_work
 from rollout.sim.fit import fit_step_time, step_rows
-from rollout.sim.runs import simulate_profile
+from rollout.sim.runs import simulate_parallel, simulate_profile
 from rollout.suite import load_bench_config
 from rollout.workloads import profile_requests
 
@@ -64,11 +67,19 @@ for profile in bench.profiles:
     scaled = replace(profile, num_prompts=profile.num_prompts * engines)
     for how in splits:
         started = time.time()
-        runs = [simulate_profile(bench, scaled, "forecast-lpt", model, share=splitter(scaled, how, engine),
-                                 kv_capacity_tokens=profile.kv_cache_memory_bytes // KV_BYTES_PER_TOKEN)
-                for engine in range(engines)]
-        times = np.array([r.per_iteration_makespan_s for r in runs])  # engine x iteration
+        kv_capacity_tokens = profile.kv_cache_memory_bytes // KV_BYTES_PER_TOKEN
+        bound = ""
+        if how == "stealing":
+            times, paths = simulate_parallel(bench, scaled, "forecast-lpt", model, engines=engines,
+                                             kv_capacity_tokens=kv_capacity_tokens)
+            times = times.T
+            bound = "; the longest request alone: " + " ".join(
+                f"{b:.3f}" for b in paths.max(axis=1) / times.mean(axis=0))
+        else:
+            times = np.array([simulate_profile(bench, scaled, "forecast-lpt", model, share=splitter(scaled, how, e),
+                                               kv_capacity_tokens=kv_capacity_tokens).per_iteration_makespan_s
+                              for e in range(engines)])  # engine x iteration
         balance = times.max(axis=0) / times.mean(axis=0)
         print(f"{profile.name:12s} {how:9s} pass time / (total work / {engines}) per iteration: "
-              f"{' '.join(f'{b:.3f}' for b in balance)}  (slowest engine {' '.join(f'{t:.0f}' for t in times.max(0))} s; "
+              f"{' '.join(f'{b:.3f}' for b in balance)}{bound}  (slowest engine {' '.join(f'{t:.0f}' for t in times.max(0))} s; "
               f"{time.time() - started:.0f} s to simulate)", flush=True)

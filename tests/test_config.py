@@ -96,7 +96,7 @@ def test_config_file_is_merged(tmp_path):
     (["policy.forecast_min_wave=1"], "policy.forecast_min_wave must be in [0, 1), got 1"),
     (["model.dtype=fp8"], "model.dtype must be one of auto, bfloat16, float16, float32, half, float, got 'fp8'"),
     (["model.data_parallel_size=0"], "model.data_parallel_size must be >= 1, got 0"),
-    (["model.data_parallel_size=2", "model.device_ids=[0]"], "model.device_ids must list a device for every"),
+    (["model.data_parallel_size=2", "model.device_ids=[0]"], "model.device_ids must list model.data_parallel_size x"),
     (["output.vllm_log_level=loud"], "output.vllm_log_level must be one of CRITICAL, ERROR, WARNING, INFO, DEBUG"),
 ])
 def test_bad_values_fail_with_one_clear_message(overrides, message):

@@ -324,3 +324,28 @@ def test_speculation_advances_a_decoding_request_by_its_accepted_drafts_and_cost
     switched = simulate(requests, make_policy({"name": "static", "b_max": 4}), **kwargs,
                         speculation=Speculation(draft_tokens=4, acceptance=1.0, max_batch=0, whole_pass=False))
     assert wide.steps == switched.steps == 400 and switched.makespan_s == plain.makespan_s < wide.makespan_s
+
+
+def test_data_parallel_engines_take_what_another_has_not_started(tmp_path):
+    """The prompts alternate long and short, so the first pass's split of equal predictions (longest processing
+    time first, ties in the set's order) gives one engine every long prompt; engines fed from the dispatcher's
+    queues, the idle one taking from the other's, end the pass together instead."""
+    from rollout.sim.runs import simulate_parallel, simulate_profile
+    from rollout.suite import load_bench_config
+
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"prompt_id": f"p{i}", "prompt_tokens": 64,
+                                           "completion_tokens": 600 if i % 2 == 0 else 60}) + "\n"
+                               for i in range(48) for _ in range(2)))
+    profile = ProfileConfig(name="alternating", kind="recorded", lengths_file=str(samples), num_prompts=48,
+                            samples_per_prompt=2, max_output=1024, iterations=2, drift=1.0)
+    bench = load_bench_config(None, [])
+    times, longest = simulate_parallel(bench, profile, "forecast-lpt", MODEL, engines=2, kv_capacity_tokens=2048)
+    assert times.shape == longest.shape == (2, 2)
+    assert times[0].max() / times[0].mean() < 1.1  # the first pass, balanced by stealing
+    assert times[1].max() / times[1].mean() < 1.1  # the second, by the memory's predicted work as well
+    static = [simulate_profile(bench, profile, "forecast-lpt", MODEL, kv_capacity_tokens=2048,
+                               share=lambda iteration, requests, e=e: [k for k, r in enumerate(requests)
+                                                                       if r.group % 2 == e]).per_iteration_makespan_s[0]
+              for e in range(2)]
+    assert max(static) / np.mean(static) > 1.5  # what the same split does without stealing

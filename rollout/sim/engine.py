@@ -144,7 +144,7 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
              token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
              prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
              sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None,
-             ask_every_step: bool = False, speculation: Speculation | None = None) -> SimResult:
+             ask_every_step: bool = False, speculation: Speculation | None = None, feed=None) -> SimResult:
     """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group]]]), in
     arrival order) to completion under `policy`. `nominal_max_tokens`: the max_tokens the policy is told, as the
     benchmark tells the adapter (None: each request's own length, a request whose max_tokens is its length).
@@ -152,11 +152,34 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     `requests_at_first_step`: how many requests the engine holds at its first step (None: all); the rest arrive
     before the second, as vLLM's front end streams a batch into the engine core's process. `ask_every_step`:
     call the policy at every step, also where its `steady_until` says its answer stands (the adapter does not).
-    `speculation`: speculative decoding as `Speculation` models it (None: none)."""
+    `speculation`: speculative decoding as `Speculation` models it (None: none). `feed(clock, waiting, running, cap)`: the
+    positions in `requests` that reach the engine after a step (and before the first), as a data-parallel
+    dispatcher hands them over; then only those run, and the pass ends when the engine is empty and `feed`
+    gives none."""
+    steps = simulate_steps(requests, policy, kv_capacity_blocks=kv_capacity_blocks, block_size=block_size,
+                           max_num_seqs=max_num_seqs, token_budget=token_budget, step_time=step_time,
+                           keep_trace=keep_trace, prior_lengths=prior_lengths, share_prompts=share_prompts,
+                           nominal_max_tokens=nominal_max_tokens, sibling_order=sibling_order,
+                           requests_at_first_step=requests_at_first_step, ask_every_step=ask_every_step,
+                           speculation=speculation, feed=feed)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def simulate_steps(requests, policy, *, kv_capacity_blocks, block_size, max_num_seqs, token_budget, step_time,
+                   keep_trace=False, prior_lengths=None, share_prompts=True, nominal_max_tokens=None,
+                   sibling_order=None, requests_at_first_step=None, ask_every_step=False, speculation=None,
+                   feed=None):
+    """`simulate` a step at a time: yields the clock after each step and returns the `SimResult`, so several
+    engines (data parallel) advance in the order of their clocks."""
     queue = [SimRequest(*r, row=k) for k, r in enumerate(requests)]
-    first = len(queue) if requests_at_first_step is None else max(requests_at_first_step, 1)
+    first = 0 if feed is not None else len(queue) if requests_at_first_step is None else max(
+        requests_at_first_step, 1)
     waiting: deque[SimRequest] = deque()
-    late = queue[first:]
+    late = [] if feed is not None else queue[first:]
     policy.start_pass(prior_lengths)
     running: list[SimRequest] = []
     free = kv_capacity_blocks
@@ -186,6 +209,8 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         pending_max += sum(nominal_max_tokens or r.output_tokens for r in batch)
 
     arrive(queue[:first])
+    if feed is not None:
+        arrive([queue[k] for k in feed(0.0, 0, 0, cap)])
     max_tokens_bound = nominal_max_tokens or max((r[1] for r in requests), default=0)
     trace = []
     # The pass's request table, as the adapter keeps it (rollout.policy.step columns): MAX_TOKENS is each request's
@@ -212,7 +237,13 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         waiting.clear()
         waiting.extend(reordered)
 
-    while waiting or running:
+    def fed_when_empty() -> bool:  # the engine ran dry: what the dispatcher hands over now, if anything
+        if feed is None:
+            return False
+        arrive([queue[k] for k in feed(clock, 0, 0, cap)])
+        return bool(waiting)
+
+    while waiting or running or fed_when_empty():
         events = (len(running), len(waiting), finished, preemptions)
         if ask_every_step or not gate.steady(events, steps):
             pending = len(waiting) + len(running)
@@ -324,12 +355,16 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
         if late:
             arrive(late)
             late = []
+        if feed is not None and running:
+            arrive([queue[k] for k in feed(clock, len(waiting), len(running), cap)])
         if keep_trace:
             trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions, len(waiting)))
+        yield clock
     def path(r: SimRequest | None) -> CriticalPath | None:
         return None if r is None else CriticalPath(r.output_tokens, r.started_s, r.finished_s, r.recomputed,
                                                    r.preemptions)
 
-    last = max(queue, key=lambda r: (r.finished_s, r.output_tokens), default=None)
-    longest = max(queue, key=lambda r: (r.output_tokens, r.finished_s), default=None)
+    ran = [r for r in queue if r.finished_s is not None]
+    last = max(ran, key=lambda r: (r.finished_s, r.output_tokens), default=None)
+    longest = max(ran, key=lambda r: (r.output_tokens, r.finished_s), default=None)
     return SimResult(clock, generated, preemptions, recomputed, steps, trace, path(last), path(longest))

@@ -5,6 +5,7 @@ scales, the pass prior)."""
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,3 +100,88 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         run.longest.append(result.longest)
         run.traces.append(result.trace)
     return run
+
+
+def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,
+                      engines: int, kv_capacity_tokens: int, block_size: int = 16,
+                      token_budget: int = 16384) -> tuple[np.ndarray, np.ndarray]:
+    """`rollout.parallel.ParallelEngines` in the simulator: `engines` engines, each with its own policy across
+    iterations, over the profile's prompts. The split, the queues and the work stealing are the real
+    `Dispatcher`'s, fed as `EngineWorker.run` feeds its engine (twice the cache's tokens at the start, then
+    as `waiting_wanted` says; stealing when none waits); the scales, the prior and the split come from one per-prompt
+    memory of all engines' samples. The engines advance in the order of their clocks, so each takes from the
+    queues as they stand at its time. Returns each iteration's pass time per engine and the time its longest
+    request took from its start to its end (both iteration x engine): the longest of those is a pass time no
+    split can beat at the steps' speed."""
+    from rollout.engine import Job
+    from rollout.parallel import Dispatcher, predicted_work, split_by_work, waiting_wanted
+    from rollout.sim.engine import simulate_steps
+
+    settings = scheduler_settings(bench, name)
+    longest = settings.get("order") == "longest_first"
+    probes = longest and settings.get("probe_first", PolicyConfig.probe_first)
+    policies = [make_policy(settings, graph_batch=step_time.graph_batch) for _ in range(engines)]
+    b_max = max(int(settings["b_max"]), 1)
+    memory = PromptLengths()
+    times, paths = [], []
+    for iteration in range(profile.iterations):
+        requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
+        groups: dict[int, list[int]] = {}
+        for k, r in enumerate(requests):
+            groups.setdefault(r.group, []).append(k)
+        ids = list(groups)
+        prompts = [requests[groups[g][0]].prompt for g in ids]
+        keys = [prompt_key(p.token_ids) for p in prompts]
+        known = ~np.isnan(memory.predict(keys))
+        scales = memory.scales(keys) if longest else np.ones(len(ids))
+        prior = memory.prior(keys, scales) if longest and memory.last else None
+        work = predicted_work(prompts, max(len(v) for v in groups.values()), profile.max_output, memory)
+        jobs = [Job(j, prompts[j], list(range(len(groups[g]))), float(scales[j]), bool(known[j]))
+                for j, g in enumerate(ids)]
+        queues = [sorted([(float(work[j]), jobs[j]) for j in share], key=lambda item: -item[0])
+                  for share in split_by_work(work, engines)]
+        dispatcher = Dispatcher(queues, expected=len(requests))
+        index_of = {g: j for j, g in enumerate(ids)}
+        table = [(len(r.prompt.token_ids), r.output_tokens, float(scales[index_of[r.group]]), r.group,
+                  index_of[r.group] if probes and not known[index_of[r.group]] and len(groups[r.group]) > 1
+                  else None) for r in requests]
+
+        def feeder(rank: int):
+            first = [True]
+
+            def feed(clock: float, waiting: int, running: int, cap: int) -> list[int]:
+                wanted = waiting_wanted(cap, running)
+                if first[0]:
+                    first[0], taken = False, dispatcher.take(rank, b_max, steal=False, tokens=2 * kv_capacity_tokens)
+                elif waiting >= wanted:
+                    return []
+                else:
+                    taken = dispatcher.take(rank, wanted - waiting, steal=waiting == 0)
+                pairs = [(job, s) for job in taken or [] for s in job.samples]
+                if probes:  # as PassRun.submit: a probe of each unknown prompt first, its siblings last
+                    positions, _ = probe_first_order([job.index for job, _ in pairs],
+                                                     [not job.known for job, _ in pairs])
+                    pairs = [pairs[k] for k in positions]
+                return [groups[ids[job.index]][s] for job, s in pairs]
+            return feed
+
+        runs = [simulate_steps(table, policies[rank], kv_capacity_blocks=kv_capacity_tokens // block_size,
+                               block_size=block_size, max_num_seqs=int(settings["b_max"]),
+                               token_budget=token_budget, step_time=step_time, prior_lengths=prior,
+                               nominal_max_tokens=profile.max_output,
+                               sibling_order=SiblingOrder() if probes else None, feed=feeder(rank))
+                for rank in range(engines)]
+        clocks, longest, heap = [0.0] * engines, [0.0] * engines, [(0.0, rank) for rank in range(engines)]
+        while heap:
+            _, rank = heapq.heappop(heap)
+            try:
+                heapq.heappush(heap, (next(runs[rank]), rank))
+            except StopIteration as done:
+                clocks[rank] = done.value.makespan_s
+                path = done.value.longest
+                longest[rank] = 0.0 if path is None else path.finished_s - path.started_s
+        times.append(clocks)
+        paths.append(longest)
+        for j, g in enumerate(ids):
+            memory.update(keys[j], [requests[k].output_tokens for k in groups[g]])
+    return np.array(times), np.array(paths)
