@@ -169,6 +169,28 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     return kwargs
 
 
+def plan_pass(memory: PromptLengths, keys: list[str], order: str) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """A pass's length scales (per prompt), submission order and prior lengths from a per-prompt memory, under
+    policy.order (`fifo`: scales of 1, the set's order, no prior)."""
+    if order != "longest_first":
+        return np.ones(len(keys)), list(range(len(keys))), np.array([])
+    scales = memory.scales(keys)
+    submission = sorted(range(len(keys)), key=lambda i: -scales[i])  # stable: ties keep the set's order
+    return scales, submission, memory.prior(keys, scales)
+
+
+def remember_lengths(memory: PromptLengths, keys: list[str], records: list[dict], path: Path) -> None:
+    """Each prompt's outputs of a pass (records numbered by `group_index` into `keys`) update its predicted
+    length for the next pass; saved to `path`."""
+    by_prompt: dict[str, list[int]] = {}
+    for record in records:
+        by_prompt.setdefault(keys[record["group_index"]], []).append(record["completion_tokens"])
+    for key, lengths in by_prompt.items():
+        memory.update(key, lengths)
+    if by_prompt:
+        memory.save(path)
+
+
 def sample_seed(seed: int, pass_index: int, num_prompts: int, n: int, index: int, sample: int) -> int:
     """The seed of sample `sample` of prompt `index` in an engine's pass `pass_index` (0 for the CLI's one pass, so a
     resumed run draws what it would have): distinct over the passes of a trainer's loop, whose iterations must not
@@ -262,7 +284,7 @@ class RolloutEngine:
         done = done or {}
         keys = [prompt_key(p.token_ids) for p in prompts]
         known = ~np.isnan(self.prompt_lengths.predict(keys))
-        scales, order, prior = self.plan(keys)
+        scales, order, prior = plan_pass(self.prompt_lengths, keys, self.cfg.policy.order)
         self._write_prior(prior)
         jobs = [Job(i, prompts[i], [s for s in range(n) if (prompts[i].prompt_id, s) not in done],
                     float(scales[i]), bool(known[i])) for i in order]
@@ -270,22 +292,12 @@ class RolloutEngine:
         run.submit(jobs)
         new = run.drive(progress=progress, sink=sink, sink_every_s=sink_every_s, total=len(prompts) * n,
                         initial=len(done))
-        self._remember_lengths(keys, new)
+        remember_lengths(self.prompt_lengths, keys, new, self.prompt_lengths_path)
         records = sorted([*done.values(), *new], key=lambda r: (r["group_index"], r["sample_index"]))
         summary = run.summary(records, new)
         summary["prompt_lengths"] = {"order": self.cfg.policy.order, "prompts_predicted": int(known.sum()),
                                      "path": str(self.prompt_lengths_path)}
         return GenerationResult(records=records, summary=summary, trace=run.trace.records)
-
-    def plan(self, keys: list[str], memory: PromptLengths | None = None):
-        """A pass's length scales (per prompt), submission order and prior lengths, from `memory` (default this
-        engine's) under policy.order."""
-        memory = memory or self.prompt_lengths
-        if self.cfg.policy.order != "longest_first":
-            return np.ones(len(keys)), list(range(len(keys))), np.array([])
-        scales = memory.scales(keys)
-        order = sorted(range(len(keys)), key=lambda i: -scales[i])  # stable: ties keep the set's order
-        return scales, order, memory.prior(keys, scales)
 
     def _write_prior(self, lengths: np.ndarray) -> None:
         """The scheduler reads this when the pass's first request arrives (see the adapter's _read_prior)."""
@@ -296,16 +308,6 @@ class RolloutEngine:
             path.unlink(missing_ok=True)
         else:  # written before the pass's first request is submitted: no reader can see it half-written
             path.write_text(json.dumps({"lengths": np.round(lengths, 2).tolist()}))
-
-    def _remember_lengths(self, keys: list[str], new: list[dict]) -> None:
-        """Each prompt's outputs of this pass update its predicted length for the next pass."""
-        by_prompt: dict[str, list[int]] = {}
-        for record in new:
-            by_prompt.setdefault(keys[record["group_index"]], []).append(record["completion_tokens"])
-        for key, lengths in by_prompt.items():
-            self.prompt_lengths.update(key, lengths)
-        if by_prompt:
-            self.prompt_lengths.save(self.prompt_lengths_path)
 
     def _record(self, prompt: Prompt, index: int, sample: int, out) -> dict:
         completion = out.outputs[0]
@@ -499,6 +501,7 @@ class PassRun:
         self.generated_before = engine._counter("vllm:generation_tokens")
         self.start = time.monotonic()
         self.wall = 0.0
+        self.last_step = self.start  # when the latest step returned: the pass's work ends there
 
     def submit(self, jobs: list[Job]) -> int:
         """Adds the jobs' requests in their order (probes moved as `probe_first_order` says); returns how many."""
@@ -558,7 +561,7 @@ class PassRun:
                         new.append(record)
                         batch.append(record)
                         bar.update(1)
-                now = time.monotonic()
+                now = self.last_step = time.monotonic()
                 if sink and batch and now - last_sink > sink_every_s:
                     # Hand the batch over before writing: a Ctrl-C inside sink must not write it a second time.
                     handed, batch, last_sink = batch, [], now

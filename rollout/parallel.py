@@ -32,14 +32,14 @@ from pathlib import Path
 import numpy as np
 
 from rollout.config import RunConfig
-from rollout.engine import PROMPT_LENGTHS_FILE, GenerationResult, Job, PassRun
+from rollout.engine import PROMPT_LENGTHS_FILE, GenerationResult, Job, PassRun, plan_pass, remember_lengths
 from rollout.policy.length_stats import PromptLengths, prompt_key
 
 PLACEMENT_TIMEOUT_S = 600.0  # long enough for a cluster's autoscaler; then a clear error instead of a hang
 # An engine keeps this share of its running batch waiting: enough for the slots that free up between two asks,
-# and little held back where no other engine can take it once the queues are empty. Eight engines on long-cot
-# in the simulator (scripts/simulate_dp.py): a whole batch waiting ends the pass 17% past total work / 8, a
-# quarter 6%, a sixteenth 7%.
+# and little held back where no other engine can take it once the queues are empty. Eight engines in the
+# simulator (scripts/simulate_dp.py, docs/results.md), the worst first pass of the suite's profiles against
+# total work / 8: a whole batch waiting 1.17 (long-cot), half 1.16 (long-cot), a quarter 1.15 (tail-bound).
 WAITING_PER_RUNNING = 0.25
 
 
@@ -210,7 +210,8 @@ class EngineWorker:
                         refill=refill)
         summary = {k: v for k, v in run.summary(new, new).items() if k != "series"} if new else {
             "generated_tokens": 0, "num_samples": 0, "samples_generated": 0, "preemptions": 0}
-        summary["wall_time_s"] = round(run.wall, 3)
+        summary["wall_time_s"] = round(run.wall, 3)  # until every engine's samples were in
+        summary["busy_s"] = round(run.last_step - run.start, 3)  # until its own last step
         summary["prompts"] = len({r["group_index"] for r in new})
         return summary
 
@@ -239,13 +240,14 @@ class ParallelEngines:
             if cfg.model.device_ids is not None:  # what a new local cluster may use; an existing one decides itself
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in cfg.model.device_ids)
             ray.init()
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        per_engine = {"GPU": cfg.model.tensor_parallel_size, "CPU": 1} if gpus else {"CPU": 1}
-        if gpus and gpus < engines * cfg.model.tensor_parallel_size:
+        resources = ray.cluster_resources()
+        per_engine = {"GPU": cfg.model.tensor_parallel_size, "CPU": 1} if resources.get("GPU") else {"CPU": 1}
+        short = {k: f"{engines * v} {k} needed, {resources.get(k, 0):g} in the cluster" for k, v in
+                 per_engine.items() if resources.get(k, 0) < engines * v}
+        if short:
             self._shutdown()
-            raise RuntimeError(f"model.data_parallel_size={engines} with model.tensor_parallel_size="
-                               f"{cfg.model.tensor_parallel_size} needs {engines * cfg.model.tensor_parallel_size} "
-                               f"GPUs; the Ray cluster has {gpus}")
+            raise RuntimeError(f"model.data_parallel_size={engines} (model.tensor_parallel_size="
+                               f"{cfg.model.tensor_parallel_size}): {'; '.join(short.values())}")
         self.group = placement_group([per_engine] * engines, strategy="PACK")
         ready, _ = ray.wait([self.group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -287,8 +289,7 @@ class ParallelEngines:
         done = done or {}
         keys = [prompt_key(p.token_ids) for p in prompts]
         known = ~np.isnan(self.memory.predict(keys))
-        scales = self.memory.scales(keys) if cfg.policy.order == "longest_first" else np.ones(len(prompts))
-        prior = self.memory.prior(keys, scales) if cfg.policy.order == "longest_first" else np.array([])
+        scales, _, prior = plan_pass(self.memory, keys, cfg.policy.order)  # the order: each queue's, by work
         work = predicted_work(prompts, n, cfg.sampling.max_tokens, self.memory)
         shares = [[] for _ in self.actors]  # an engine that died in an earlier pass gets none
         for rank, share in zip(self.alive, split_by_work(work, len(self.alive))):
@@ -337,19 +338,13 @@ class ParallelEngines:
         wall = time.monotonic() - started
         if progress["received"] < expected:
             raise RuntimeError(f"{expected - progress['received']} samples were not generated")
-        by_prompt: dict[str, list[int]] = {}
-        for record in new:
-            by_prompt.setdefault(keys[record["group_index"]], []).append(record["completion_tokens"])
-        for key, lengths in by_prompt.items():
-            self.memory.update(key, lengths)
-        if by_prompt:
-            self.memory.save(self.memory_path)
+        remember_lengths(self.memory, keys, new, self.memory_path)
         records = sorted([*done.values(), *new], key=lambda r: (r["group_index"], r["sample_index"]))
         per_engine = [summaries.get(rank, {"died": True}) for rank in range(len(self.actors))]
         for rank, summary in enumerate(per_engine):
             summary["prompts_stolen"] = progress["stolen"][rank]
         generated = sum(r["completion_tokens"] for r in new)
-        busiest = max((s.get("wall_time_s", 0.0) for s in per_engine), default=0.0)
+        busy = [s["busy_s"] for s in per_engine if "busy_s" in s]
         summary = {
             "policy": cfg.policy.name, "engines": len(self.actors), "engines_alive": len(self.alive),
             "engine_start_s": round(self.engine_start_s, 2), "wall_time_s": round(wall, 3),
@@ -357,8 +352,9 @@ class ParallelEngines:
             "samples_generated": len(new), "samples_resumed": len(records) - len(new),
             "samples_rerun": rerun, "generated_tokens": generated,
             "generated_tokens_per_s": round(generated / wall, 2) if wall > 0 else None,
-            # Without waiting for the dispatcher's last poll: the slowest engine's pass.
-            "generated_tokens_per_s_busiest": round(generated / busiest, 2) if busiest > 0 else None,
+            # Each engine's time until its last step, and the slowest against their mean (1: balanced).
+            "busy_s_per_engine": busy,
+            "balance": round(max(busy) / float(np.mean(busy)), 4) if busy and min(busy) > 0 else None,
             "generated_tokens_per_s_per_engine": [s.get("generated_tokens_per_s") for s in per_engine],
             "preemptions": sum(s.get("preemptions", 0) for s in per_engine),
             "prompts_per_engine": [s.get("prompts", 0) for s in per_engine],

@@ -81,5 +81,6 @@ for profile in bench.profiles:
                               for e in range(engines)])  # engine x iteration
         balance = times.max(axis=0) / times.mean(axis=0)
         print(f"{profile.name:12s} {how:9s} pass time / (total work / {engines}) per iteration: "
-              f"{' '.join(f'{b:.3f}' for b in balance)}{bound}  (slowest engine {' '.join(f'{t:.0f}' for t in times.max(0))} s; "
+              f"{' '.join(f'{b:.3f}' for b in balance)}{bound}  "
+              f"(slowest engine {' '.join(f'{t:.0f}' for t in times.max(0))} s; "
               f"{time.time() - started:.0f} s to simulate)", flush=True)

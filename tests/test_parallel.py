@@ -149,3 +149,14 @@ def test_dispatcher_reruns_a_dead_engines_unfinished_samples_once():
     dispatcher.put(0, [record(i, s) for i in (0, 1, 3) for s in (0, 1)])
     assert len(dispatcher.collect()) == 6 and dispatcher.take(0, 1, steal=True) is None  # every sample is in
     assert dispatcher.take(1, 1, steal=True) is None
+
+
+def test_more_engines_than_the_ray_cluster_holds_is_one_clear_error(tiny_model, tmp_path):
+    prompt_set = tmp_path / "prompts.jsonl"
+    prompt_set.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    args = [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
+            "model.kv_cache_memory_bytes=8388608", "model.data_parallel_size=512", f"output.dir={tmp_path / 'out'}"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "model.data_parallel_size=512 (model.tensor_parallel_size=1): 512 CPU needed" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -152,10 +152,10 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
     `requests_at_first_step`: how many requests the engine holds at its first step (None: all); the rest arrive
     before the second, as vLLM's front end streams a batch into the engine core's process. `ask_every_step`:
     call the policy at every step, also where its `steady_until` says its answer stands (the adapter does not).
-    `speculation`: speculative decoding as `Speculation` models it (None: none). `feed(clock, waiting, running, cap)`: the
-    positions in `requests` that reach the engine after a step (and before the first), as a data-parallel
-    dispatcher hands them over; then only those run, and the pass ends when the engine is empty and `feed`
-    gives none."""
+    `speculation`: speculative decoding as `Speculation` models it (None: none). `feed(clock, waiting, running,
+    cap)`: the positions in `requests` that reach the engine after a step (and before the first), as a
+    data-parallel dispatcher hands them over; then only those run, and the pass ends when the engine is empty
+    and `feed` gives none."""
     steps = simulate_steps(requests, policy, kv_capacity_blocks=kv_capacity_blocks, block_size=block_size,
                            max_num_seqs=max_num_seqs, token_budget=token_budget, step_time=step_time,
                            keep_trace=keep_trace, prior_lengths=prior_lengths, share_prompts=share_prompts,

@@ -113,7 +113,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
     queues as they stand at its time. Returns each iteration's pass time per engine and the time its longest
     request took from its start to its end (both iteration x engine): the longest of those is a pass time no
     split can beat at the steps' speed."""
-    from rollout.engine import Job
+    from rollout.engine import Job, plan_pass
     from rollout.parallel import Dispatcher, predicted_work, split_by_work, waiting_wanted
     from rollout.sim.engine import simulate_steps
 
@@ -133,8 +133,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
         prompts = [requests[groups[g][0]].prompt for g in ids]
         keys = [prompt_key(p.token_ids) for p in prompts]
         known = ~np.isnan(memory.predict(keys))
-        scales = memory.scales(keys) if longest else np.ones(len(ids))
-        prior = memory.prior(keys, scales) if longest and memory.last else None
+        scales, _, prior = plan_pass(memory, keys, settings.get("order"))
         work = predicted_work(prompts, max(len(v) for v in groups.values()), profile.max_output, memory)
         jobs = [Job(j, prompts[j], list(range(len(groups[g]))), float(scales[j]), bool(known[j]))
                 for j, g in enumerate(ids)]
@@ -167,7 +166,8 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
 
         runs = [simulate_steps(table, policies[rank], kv_capacity_blocks=kv_capacity_tokens // block_size,
                                block_size=block_size, max_num_seqs=int(settings["b_max"]),
-                               token_budget=token_budget, step_time=step_time, prior_lengths=prior,
+                               token_budget=token_budget, step_time=step_time,
+                               prior_lengths=prior if len(prior) else None,
                                nominal_max_tokens=profile.max_output,
                                sibling_order=SiblingOrder() if probes else None, feed=feeder(rank))
                 for rank in range(engines)]
