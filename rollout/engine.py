@@ -469,7 +469,6 @@ class RolloutEngine:
         self.close()
 
 
-
 @dataclass
 class Job:
     """A prompt's samples still to generate in a pass: `index` is the prompt's place in the whole set (its samples'
@@ -503,8 +502,8 @@ class PassRun:
         self.wall = 0.0
         self.last_step = self.start  # when the latest step returned: the pass's work ends there
 
-    def submit(self, jobs: list[Job]) -> int:
-        """Adds the jobs' requests in their order (probes moved as `probe_first_order` says); returns how many."""
+    def submit(self, jobs: list[Job]) -> None:
+        """Adds the jobs' requests in their order (probes moved as `probe_first_order` says)."""
         engine, cfg = self.engine, self.engine.cfg
         pairs = [(job, s) for job in jobs for s in job.samples]
         probe_groups = [None] * len(pairs)
@@ -525,7 +524,6 @@ class PassRun:
                 params.max_tokens = self.max_tokens[job.index]
             llm_engine.add_request(f"{job.index}:{sample}", {"prompt_token_ids": job.prompt.token_ids}, params)
             self.submitted.append(f"{job.index}:{sample}")
-        return len(pairs)
 
     def latest_step(self) -> dict | None:
         """The scheduler's record of its latest step (its cap, running and waiting requests); None before the

@@ -99,13 +99,16 @@ class Dispatcher:
         def enough() -> bool:
             return count >= max(want, 1) or (tokens is not None and work >= tokens)
 
-        def give(source: deque) -> None:
+        def give(source: deque, at_most: int | None = None) -> int:
             nonlocal count, work
-            while source and not enough():
+            given = 0
+            while source and not enough() and (at_most is None or given < at_most):
                 weight, job = source.popleft()
                 jobs.append(job)
                 count += len(job.samples)
                 work += weight
+                given += 1
+            return given
 
         give(self.orphans)
         give(self.queues[rank])
@@ -115,14 +118,7 @@ class Dispatcher:
                 _, victim = max(loads)
                 # Half of what the victim has left at most, a prompt at least: it keeps working on its own.
                 source = self.queues[victim]
-                for _ in range(max(1, len(source) // 2)):
-                    if enough():
-                        break
-                    weight, job = source.popleft()
-                    jobs.append(job)
-                    count += len(job.samples)
-                    work += weight
-                    self.stolen[rank] += 1
+                self.stolen[rank] += give(source, at_most=max(1, len(source) // 2))
         for job in jobs:
             for sample in job.samples:
                 self.held[rank][(job.index, sample)] = job

@@ -118,8 +118,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
     from rollout.sim.engine import simulate_steps
 
     settings = scheduler_settings(bench, name)
-    longest = settings.get("order") == "longest_first"
-    probes = longest and settings.get("probe_first", PolicyConfig.probe_first)
+    probes = settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
     policies = [make_policy(settings, graph_batch=step_time.graph_batch) for _ in range(engines)]
     b_max = max(int(settings["b_max"]), 1)
     memory = PromptLengths()
@@ -171,7 +170,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
                                nominal_max_tokens=profile.max_output,
                                sibling_order=SiblingOrder() if probes else None, feed=feeder(rank))
                 for rank in range(engines)]
-        clocks, longest, heap = [0.0] * engines, [0.0] * engines, [(0.0, rank) for rank in range(engines)]
+        clocks, longest_s, heap = [0.0] * engines, [0.0] * engines, [(0.0, rank) for rank in range(engines)]
         while heap:
             _, rank = heapq.heappop(heap)
             try:
@@ -179,9 +178,9 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
             except StopIteration as done:
                 clocks[rank] = done.value.makespan_s
                 path = done.value.longest
-                longest[rank] = 0.0 if path is None else path.finished_s - path.started_s
+                longest_s[rank] = 0.0 if path is None else path.finished_s - path.started_s
         times.append(clocks)
-        paths.append(longest)
+        paths.append(longest_s)
         for j, g in enumerate(ids):
             memory.update(keys[j], [requests[k].output_tokens for k in groups[g]])
     return np.array(times), np.array(paths)
