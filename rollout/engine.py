@@ -13,6 +13,7 @@ import os
 import time
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -197,6 +198,56 @@ def sample_seed(seed: int, pass_index: int, num_prompts: int, n: int, index: int
     reuse one another's random draws (the same seeds would repeat a pass's samples wherever the weights changed
     little)."""
     return seed + (pass_index * num_prompts + index) * n + sample
+
+
+def as_prompts(prompts: list, encode=None) -> list[Prompt]:
+    """A trainer's prompts as `Prompt`s: `Prompt` objects as they are, lists of token ids, strings through
+    `encode(texts) -> token id lists` (None where the engine has no tokenizer). Ids are the prompts' places."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts and encode is None:
+        raise ValueError("rollout(): text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+    encoded = iter(encode(texts) if texts else [])
+    out = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, Prompt):
+            out.append(prompt)
+        elif isinstance(prompt, str):
+            out.append(Prompt(prompt_id=str(index), text=prompt, token_ids=list(next(encoded))))
+        else:
+            token_ids = [int(t) for t in prompt]
+            if not token_ids:
+                raise ValueError(f"rollout(): prompt {index} is empty")
+            out.append(Prompt(prompt_id=str(index), text="", token_ids=token_ids))
+    return out
+
+
+@contextmanager
+def sampling_overrides(cfg: RunConfig, sampling: dict):
+    """`cfg.sampling` with the fields in `sampling` replaced, for the time of one call."""
+    configured = cfg.sampling
+    try:
+        cfg.sampling = replace(configured, **sampling)
+    except TypeError as exc:
+        raise ValueError(f"rollout(): unknown sampling setting ({exc})") from None
+    try:
+        yield cfg.sampling
+    finally:
+        cfg.sampling = configured
+
+
+def weights_for_engine(weights, dtype: str) -> dict:
+    """A state dict or (name, tensor) pairs as CPU tensors in the engine's dtype (a trainer keeps fp32 masters),
+    cloned: tied weights share storage, which safetensors refuses."""
+    import torch
+
+    items = weights.items() if hasattr(weights, "items") else weights
+    torch_dtype = getattr(torch, engine_dtype(dtype), None)
+    torch_dtype = torch_dtype if isinstance(torch_dtype, torch.dtype) else None
+    named = {str(name): tensor.detach().to("cpu", dtype=torch_dtype if torch_dtype and tensor.is_floating_point()
+                                           else None).clone().contiguous() for name, tensor in items}
+    if not named:
+        raise ValueError("update_weights(): no tensors given")
+    return named
 
 
 def full_graph_warning(compilation, gpu: bool) -> str | None:
@@ -400,47 +451,21 @@ class RolloutEngine:
         """One pass for a trainer, as a `RolloutBatch`. `prompts`: `Prompt` objects, strings (tokenized as
         they are) or lists of token ids. `sampling` overrides `cfg.sampling` fields for this call (n,
         temperature, top_p, max_tokens, logprobs, ...). Length statistics and the prompt memory carry over."""
-        prompts = [self._as_prompt(p, i) for i, p in enumerate(prompts)]
-        configured = self.cfg.sampling
-        try:
-            self.cfg.sampling = replace(configured, **sampling)
-        except TypeError as exc:
-            raise ValueError(f"rollout(): unknown sampling setting ({exc})") from None
-        try:
+        tokenizer = self.tokenizer
+        encode = None if tokenizer is None else lambda texts: [tokenizer.encode(t) for t in texts]
+        prompts = as_prompts(prompts, encode)
+        with sampling_overrides(self.cfg, sampling):
             result = self.generate(prompts, progress=progress)
-        finally:
-            self.cfg.sampling = configured
         return RolloutBatch.from_records(result.records, result.summary)
-
-    def _as_prompt(self, prompt, index: int) -> Prompt:
-        if isinstance(prompt, Prompt):
-            return prompt
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("rollout(): text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
-            return Prompt(prompt_id=str(index), text=prompt, token_ids=self.tokenizer.encode(prompt))
-        token_ids = [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError(f"rollout(): prompt {index} is empty")
-        return Prompt(prompt_id=str(index), text="", token_ids=token_ids)
 
     def update_weights(self, weights) -> None:
         """Load new weights into the running engine, without restarting it: a state dict or an iterable of
         (name, tensor) named as the model's checkpoint (`model.state_dict()` of the same Hugging Face
         architecture), all of them. vLLM's in-place reload (`reload_weights` on every worker); the prefix cache
         is dropped, since its KV was computed with the old weights."""
-        import torch
         from safetensors.torch import save_file
 
-        items = weights.items() if hasattr(weights, "items") else weights
-        # In the engine's dtype (a trainer keeps fp32 masters); clones: tied weights share storage, which
-        # safetensors refuses.
-        dtype = getattr(torch, engine_dtype(self.cfg.model.dtype), None)
-        dtype = dtype if isinstance(dtype, torch.dtype) else None
-        named = {str(name): tensor.detach().to("cpu", dtype=dtype if dtype and tensor.is_floating_point() else None)
-                 .clone().contiguous() for name, tensor in items}
-        if not named:
-            raise ValueError("update_weights(): no tensors given")
+        named = weights_for_engine(weights, self.cfg.model.dtype)
         # The engine runs in other processes and its RPC does not carry tensors: they go through a file that
         # every worker reloads from, in place (rewritten by each update, read only during this call).
         folder = self.workdir / "weights"

@@ -31,8 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout.config import RunConfig
-from rollout.engine import PROMPT_LENGTHS_FILE, GenerationResult, Job, PassRun, plan_pass, remember_lengths
+from rollout.batch import RolloutBatch
+from rollout.config import RunConfig, SamplingConfig
+from rollout.engine import (PROMPT_LENGTHS_FILE, GenerationResult, Job, PassRun, as_prompts, plan_pass,
+                            remember_lengths, sampling_overrides, weights_for_engine)
 from rollout.policy.length_stats import PromptLengths, prompt_key
 
 PLACEMENT_TIMEOUT_S = 600.0  # long enough for a cluster's autoscaler; then a clear error instead of a hang
@@ -163,8 +165,17 @@ class EngineWorker:
 
         self.engine = RolloutEngine(cfg, workdir)
 
-    def run(self, rank: int, dispatcher, num_prompts: int, prior: list[float]) -> dict:
-        """One pass: jobs from the dispatcher until it says every sample is in; finished samples go back to it."""
+    def run(self, rank: int, dispatcher, num_prompts: int, prior: list[float], sampling: SamplingConfig) -> dict:
+        """One pass: jobs from the dispatcher until it says every sample is in; finished samples go back to it.
+        `sampling`: the driver's sampling settings for this pass (a trainer's `rollout()` overrides them)."""
+        engine = self.engine
+        configured, engine.cfg.sampling = engine.cfg.sampling, sampling
+        try:
+            return self._run(rank, dispatcher, num_prompts, prior)
+        finally:
+            engine.cfg.sampling = configured
+
+    def _run(self, rank: int, dispatcher, num_prompts: int, prior: list[float]) -> dict:
         import ray
 
         engine = self.engine
@@ -213,6 +224,20 @@ class EngineWorker:
 
     def ready(self) -> bool:
         return True
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.engine.tokenizer is None:
+            raise ValueError("rollout(): text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+        return [self.engine.tokenizer.encode(t) for t in texts]
+
+    def update_weights(self, weights: dict) -> None:
+        self.engine.update_weights(weights)
+
+    def sleep(self, level: int) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def shutdown(self) -> None:
         self.engine.close()
@@ -310,7 +335,7 @@ class ParallelEngines:
                 sink(records)
 
         started = time.monotonic()
-        runs = {self.actors[rank].run.remote(rank, dispatcher, len(prompts), prior.tolist()): rank
+        runs = {self.actors[rank].run.remote(rank, dispatcher, len(prompts), prior.tolist(), cfg.sampling): rank
                 for rank in self.alive}
         summaries: dict[int, dict] = {}
         rerun = 0
@@ -362,6 +387,37 @@ class ParallelEngines:
             "per_engine": per_engine,
         }
         return GenerationResult(records=records, summary=summary)
+
+    def rollout(self, prompts: list, *, progress: bool = False, **sampling) -> RolloutBatch:
+        """`RolloutEngine.rollout` over the engines: one pass as a `RolloutBatch`, `sampling` overriding
+        `cfg.sampling` for this call. Text prompts are tokenized by an engine. `progress` is accepted for the
+        same signature; the engines report through the summary."""
+        import ray
+
+        first = self.actors[self.alive[0]]
+        prompts = as_prompts(prompts, lambda texts: ray.get(first.encode.remote(texts)))
+        with sampling_overrides(self.cfg, sampling):
+            result = self.generate(prompts)
+        return RolloutBatch.from_records(result.records, result.summary)
+
+    def update_weights(self, weights) -> None:
+        """New weights into every engine (see `RolloutEngine.update_weights`): converted here once, sent through
+        Ray's object store, loaded by all engines at once."""
+        import ray
+
+        ref = ray.put(weights_for_engine(weights, self.cfg.model.dtype))
+        ray.get([self.actors[rank].update_weights.remote(ref) for rank in self.alive])
+
+    def sleep(self, level: int = 1) -> None:
+        """Every engine's `sleep` (GPU only; `model.engine_kwargs.enable_sleep_mode=true`)."""
+        import ray
+
+        ray.get([self.actors[rank].sleep.remote(level) for rank in self.alive])
+
+    def wake_up(self) -> None:
+        import ray
+
+        ray.get([self.actors[rank].wake_up.remote() for rank in self.alive])
 
     def _shutdown(self) -> None:
         import ray

@@ -82,7 +82,7 @@ def main() -> None:
     print(f"\nworkload: {args.prompts} requests, {sum(lengths)} output tokens, KV "
           f"{results[next(iter(results))][0]['kv_capacity_tokens']} tokens, b_max {args.b_max}")
     base = statistics.median(r["generated_tokens_per_s"] for r in results["static"]) if "static" in results else None
-    print(f"| policy | tok/s median (min-max) | preemptions (median) | mean cap | mean running | vs static |")
+    print("| policy | tok/s median (min-max) | preemptions (median) | mean cap | mean running | vs static |")
     print("|---|---|---|---|---|---|")
     for name, runs in results.items():
         tps = [r["generated_tokens_per_s"] for r in runs]

@@ -12,6 +12,9 @@ A scheduler may carry policy settings: `forecast:forecast_after=8:eps_m=0.1`.
 (configs/sim/long-cot-h100-steps.jsonl.gz: long contexts, so the KV-read term is measured), with the H200 fit's
 prefill terms (that run's prefill steps are all large admission waves, which cannot tell a per-token from a
 per-step cost). For long-cot it is the closer model (docs/results.md).
+
+`--kv-bytes=N` (first argument): another model shape's KV bytes per token (57344 for configs/models/qwen2.5-7b),
+which sets both the cache's tokens and the KV-read term.
 """
 import dataclasses
 import sys
@@ -31,6 +34,8 @@ H100_STEPS = FITS / "long-cot-h100-steps.jsonl.gz"
 KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B shape
 if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
     sys.exit(__doc__)
+if sys.argv[1].startswith("--kv-bytes="):
+    KV_BYTES_PER_TOKEN = int(sys.argv.pop(1).split("=", 1)[1])
 model, _ = fit_step_time(step_rows(STEPS), per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
 if sys.argv[1] == "--h100":
     sys.argv.pop(1)

@@ -1,6 +1,5 @@
 """The library API a trainer uses: RolloutBatch from a pass, weight updates into the running engine."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -74,29 +73,15 @@ def test_rollout_returns_a_training_batch(engine):
 
 
 @pytest.mark.engine
-def test_pushed_weights_change_the_generated_tokens_and_can_be_undone(engine, tiny_model):
+def test_pushed_weights_change_the_generated_tokens_and_can_be_undone(engine, tiny_model, force_token):
     from transformers import AutoModelForCausalLM
 
     state = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
     before = engine.rollout(prompts).completion_ids
     forced_token = 77
-
-    def force(name, tensor):
-        # Every position's final hidden state becomes the all-ones vector, and only one row of the output
-        # head sees it: greedy decoding can emit nothing but that token.
-        if name == "model.embed_tokens.weight" or name.endswith("norm.weight"):
-            return torch.ones_like(tensor)
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            return torch.zeros_like(tensor)
-        if name == "lm_head.weight":
-            head = torch.zeros_like(tensor)
-            head[forced_token] = 1.0
-            return head
-        return tensor
-
     assert any(token != forced_token for c in before for token in c)
-    engine.update_weights({name: force(name, t) for name, t in state.items()})
+    engine.update_weights(force_token(state, forced_token))
     forced = engine.rollout(prompts).completion_ids
     assert all(token == forced_token for c in forced for token in c)
     engine.update_weights(state.items())  # an iterator of (name, tensor) works too

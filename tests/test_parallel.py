@@ -108,6 +108,40 @@ def test_a_killed_engine_share_is_rerun_exactly_once(tiny_model, tmp_path):
         assert again["prompt_lengths"]["prompts_predicted"] == len(prompts)
 
 
+
+@pytest.mark.engine
+def test_a_trainer_drives_two_engines_as_one(tiny_model, tmp_path, force_token):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout.config import load_config
+    from rollout.parallel import ParallelEngines
+
+    overrides = [f"model.path={tiny_model}", "data.source=unused", "sampling.n=1", "sampling.max_tokens=8",
+                 "sampling.temperature=0", "sampling.ignore_eos=true", "model.kv_cache_memory_bytes=8388608",
+                 "model.max_model_len=512", "output.progress=false", "policy.b_max=4", "model.data_parallel_size=2"]
+    rng = np.random.default_rng(1)
+    texts = ["What is two plus two?", "Name a prime number."]
+    prompts = [[int(t) for t in rng.integers(5, 1000, size=int(rng.integers(4, 30)))] for _ in range(8)] + texts
+    state = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    with ParallelEngines(load_config(overrides), tmp_path) as engines:
+        batch = engines.rollout(prompts, n=2, logprobs=0)
+        assert len(batch) == 2 * len(prompts) and list(batch.group_index) == [i for i in range(10) for _ in (0, 1)]
+        assert batch.prompt_ids[0] == prompts[0] and batch.prompt_ids[-1] == tokenizer.encode(texts[1])
+        assert all(len(c) == 8 for c in batch.completion_ids) and all(len(lp) == 8 for lp in batch.logprobs)
+        assert engines.cfg.sampling.n == 1  # the overrides held for that call only
+        with pytest.raises(ValueError, match="unknown sampling setting"):
+            engines.rollout(prompts, colour="red")
+
+        forced_token = 77
+        assert any(token != forced_token for c in batch.completion_ids for token in c)
+        engines.update_weights(force_token(state, forced_token))
+        forced = engines.rollout(prompts)
+        assert all(n > 0 for n in forced.summary["prompts_per_engine"])  # both engines took the new weights
+        assert all(token == forced_token for c in forced.completion_ids for token in c)
+        engines.update_weights(state.items())
+        assert engines.rollout(prompts).completion_ids == batch.completion_ids[::2]  # greedy: both samples alike
+
 def jobs_of(works):
     from rollout.data import Prompt
     from rollout.engine import Job

@@ -1,7 +1,6 @@
 """First-pass probes (policy.probe_first): one sample of each prompt of unknown lengths goes first, its siblings
 wait at the end and are ordered as the probes finish; in the pure functions, the simulator and the real engine."""
 
-from collections import deque
 
 import pytest
 from omegaconf import OmegaConf
