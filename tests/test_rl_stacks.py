@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import uuid
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -26,6 +27,34 @@ def our_engine_kwargs(state_dir) -> dict:
     return {"scheduler_cls": "rollout.vllm_adapter.RolloutScheduler",
             "additional_config": {"rollout": {"policy": {"name": "forecast", "b_max": 1},
                                               "state_dir": str(state_dir)}}}
+
+
+VERL_PREFIX = "+actor_rollout_ref.rollout.engine_kwargs.vllm."
+README_STATE_DIR = "/ckpt/rollout"
+
+
+def verl_engine_kwargs(state_dir, tmp_path) -> dict:
+    """The README's verl overrides, with this test's policy, composed by Hydra over verl's rollout config
+    (`engine_kwargs.vllm` is {} in verl/trainer/config/rollout/rollout.yaml) and converted as verl's
+    `omega_conf_to_dataclass` converts it (`hydra.utils.instantiate(config, _convert_="partial")`, with
+    verl's `_target_`, RolloutConfig, standing as a plain dict here): what verl hands to its vLLM server."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    lines = [line.strip().rstrip("\\").strip() for line in readme.splitlines() if line.startswith(VERL_PREFIX)]
+    assert len(lines) == 2 and sum(README_STATE_DIR in line for line in lines) == 1, lines
+    overrides = [line.replace(README_STATE_DIR, str(state_dir)) for line in lines] + [
+        VERL_PREFIX + "additional_config.rollout.policy.name=forecast",
+        VERL_PREFIX + "additional_config.rollout.policy.b_max=1"]
+    config_dir = tmp_path / "verl-config"
+    config_dir.mkdir()
+    (config_dir / "trainer.yaml").write_text("actor_rollout_ref:\n  rollout:\n    _target_: builtins.dict\n"
+                                             "    name: vllm\n    engine_kwargs:\n      vllm: {}\n      sglang: {}\n")
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        config = compose("trainer", overrides=overrides)
+    rollout = instantiate(config.actor_rollout_ref.rollout, _convert_="partial")
+    return rollout["engine_kwargs"]["vllm"]
 
 
 def verl_cli_args(config: dict) -> list[str]:
@@ -53,14 +82,16 @@ def verl_cli_args(config: dict) -> list[str]:
     return args
 
 
-def verl_engine_args(model, state_dir):
+def verl_engine_args(model, state_dir, tmp_path):
     """vLLMHttpServer.launch_server (verl/workers/rollout/vllm_rollout/vllm_async_server.py): verl's own keys,
     then `actor_rollout_ref.rollout.engine_kwargs.vllm` over them, as `vllm serve` argv parsed by vLLM's parser."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.cli import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    engine_kwargs = {**our_engine_kwargs(state_dir), "kv_cache_memory_bytes": KV_CACHE_BYTES}
+    from_hydra = verl_engine_kwargs(state_dir, tmp_path)
+    assert from_hydra == our_engine_kwargs(state_dir) and type(from_hydra["additional_config"]) is dict
+    engine_kwargs = {**from_hydra, "kv_cache_memory_bytes": KV_CACHE_BYTES}
     args = {"dtype": "float32", "load_format": "auto", "skip_tokenizer_init": False,
             "distributed_executor_backend": "mp", "trust_remote_code": False, "max_model_len": 512,
             "max_num_seqs": 32, "enable_chunked_prefill": True, "max_num_batched_tokens": 512,
@@ -75,7 +106,7 @@ def verl_engine_args(model, state_dir):
     return AsyncEngineArgs.from_cli_args(namespace)
 
 
-def openrlhf_engine_args(model, state_dir):
+def openrlhf_engine_args(model, state_dir, tmp_path):
     """create_vllm_engines (openrlhf/trainer/ray/vllm_engine.py) with the patch docs/rl-stacks.md describes
     (`actor_kwargs.update(engine_kwargs)`), then RolloutRayActor's `vllm.AsyncEngineArgs(**kwargs)`. OpenRLHF's
     worker extension and Ray executor are left out: neither is installed here, and neither touches the scheduler."""
@@ -119,7 +150,7 @@ def test_the_stacks_engine_arguments_reach_our_scheduler_and_it_learns_across_tw
     from vllm.v1.engine.async_llm import AsyncLLM
 
     state = tmp_path / "state"
-    engine_args = (verl_engine_args if stack == "verl" else openrlhf_engine_args)(tiny_model, state)
+    engine_args = (verl_engine_args if stack == "verl" else openrlhf_engine_args)(tiny_model, state, tmp_path)
     assert engine_args.scheduler_cls == "rollout.vllm_adapter.RolloutScheduler"
     assert engine_args.additional_config == our_engine_kwargs(state)["additional_config"]
 

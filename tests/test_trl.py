@@ -5,13 +5,24 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.engine
+
+
+def test_each_training_process_keeps_its_own_scheduler_state():
+    from rollout.integrations.trl import rank_settings
+
+    settings = {"policy": {}, "state_dir": "/ckpt/rollout", "trace_path": "/runs/trace.jsonl"}
+    assert rank_settings(settings, {}) == settings == rank_settings(settings, {"WORLD_SIZE": "1", "RANK": "0"})
+    ranks = [rank_settings(settings, {"WORLD_SIZE": "2", "RANK": str(r)}) for r in (0, 1)]
+    assert [s["state_dir"] for s in ranks] == ["/ckpt/rollout/rank-0", "/ckpt/rollout/rank-1"]
+    assert [s["trace_path"] for s in ranks] == ["/runs/trace.rank-0.jsonl", "/runs/trace.rank-1.jsonl"]
+    assert settings["state_dir"] == "/ckpt/rollout"  # the caller's settings stay as given
 
 
 def length_reward(completions, **kwargs):
     return [min(len(c if isinstance(c, str) else str(c)) / 64.0, 1.0) for c in completions]
 
 
+@pytest.mark.engine
 def test_grpo_trainer_runs_our_scheduler_which_learns_each_prompt_across_steps(tiny_model, tmp_path):
     """Two prompts, one a step, four steps: each prompt is generated for twice. The engine TRL builds runs our
     scheduler (its trace), which keeps each prompt's lengths in state_dir; vLLM's weights follow the trainer's

