@@ -368,6 +368,7 @@ class ParallelEngines:
         busy = [s["busy_s"] for s in per_engine if "busy_s" in s]
         summary = {
             "policy": cfg.policy.name, "engines": len(self.actors), "engines_alive": len(self.alive),
+            "ray_address": ray.get_runtime_context().gcs_address,  # the cluster's (one `ray start` made, or new)
             "engine_start_s": round(self.engine_start_s, 2), "wall_time_s": round(wall, 3),
             "num_prompts": len(prompts), "samples_per_prompt": n, "num_samples": len(records),
             "samples_generated": len(new), "samples_resumed": len(records) - len(new),

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,12 +37,32 @@ def run(tiny_model, prompt_set, out_dir, *extra):
     return rows, json.loads((out_dir / "summary.json").read_text())
 
 
+@pytest.fixture
+def ray_cluster(tmp_path):
+    """A cluster as `ray start` makes one (a head node of two CPUs), which a run on its host finds by itself."""
+    import socket
+
+    ray = Path(sys.executable).with_name("ray")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = subprocess.run([str(ray), "start", "--head", f"--port={port}", "--num-cpus=2", "--num-gpus=0",
+                              "--include-dashboard=false", "--disable-usage-stats"],
+                             capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr[-3000:]
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=300)
+
+
 @pytest.mark.engine
-def test_two_engines_give_the_outputs_of_one(tiny_model, tmp_path):
+def test_two_engines_on_a_ray_start_cluster_give_the_outputs_of_one(tiny_model, tmp_path, ray_cluster):
     prompt_set = tmp_path / "prompts.jsonl"
     prompt_set.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     one, _ = run(tiny_model, prompt_set, tmp_path / "one")
     two, summary = run(tiny_model, prompt_set, tmp_path / "two", "model.data_parallel_size=2")
+    assert summary["ray_address"].endswith(":" + ray_cluster.split(":")[1])  # that cluster's, not a new one
     assert summary["engines"] == 2 and sum(summary["prompts_per_engine"]) == len(PROMPTS)
     assert all(n > 0 for n in summary["prompts_per_engine"])
     assert [(r["prompt_id"], r["sample_index"], r["group_index"]) for r in two] == [
