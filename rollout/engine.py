@@ -507,6 +507,18 @@ class Job:
     known: bool = False
 
 
+def submission_order(jobs: list[Job], probes: bool) -> tuple[list[tuple[Job, int]], list[int | None]]:
+    """The jobs' requests, (job, sample index), in the order they are submitted: the jobs' order, or with
+    `probes` a probe of each unknown prompt first and its siblings last (`probe_first_order`; a prompt's samples
+    are its group, identical prompts one group). Also each request's probe group (None: not probed)."""
+    pairs = [(job, s) for job in jobs for s in job.samples]
+    if not probes:
+        return pairs, [None] * len(pairs)
+    keys = {job.index: prompt_key(job.prompt.token_ids) for job in jobs}
+    positions, probe_groups = probe_first_order([keys[job.index] for job, _ in pairs],
+                                                [not job.known for job, _ in pairs])
+    return [pairs[k] for k in positions], probe_groups
+
 class PassRun:
     """One pass of an engine: requests submitted in `Job`s (all at once, or more while it runs) and stepped
     until none is left; finished samples become records. Request ids are "<prompt index>:<sample>"."""
@@ -530,15 +542,9 @@ class PassRun:
     def submit(self, jobs: list[Job]) -> None:
         """Adds the jobs' requests in their order (probes moved as `probe_first_order` says)."""
         engine, cfg = self.engine, self.engine.cfg
-        pairs = [(job, s) for job in jobs for s in job.samples]
-        probe_groups = [None] * len(pairs)
-        if cfg.policy.probe_first and cfg.policy.order == "longest_first":  # a prompt's samples are its group
-            keys = {job.index: prompt_key(job.prompt.token_ids) for job in jobs}  # identical prompts: one group
-            positions, probe_groups = probe_first_order([keys[job.index] for job, _ in pairs],
-                                                        [not job.known for job, _ in pairs])
-            pairs = [pairs[k] for k in positions]
-            probe_groups = [None if g is None else g + self.probe_groups for g in probe_groups]
-            self.probe_groups = max([g + 1 for g in probe_groups if g is not None], default=self.probe_groups)
+        pairs, probe_groups = submission_order(jobs, cfg.policy.probe_first and cfg.policy.order == "longest_first")
+        probe_groups = [None if g is None else g + self.probe_groups for g in probe_groups]
+        self.probe_groups = max([g + 1 for g in probe_groups if g is not None], default=self.probe_groups)
         llm_engine = engine.llm.llm_engine
         for (job, sample), probe_group in zip(pairs, probe_groups):
             self.prompts[job.index] = job.prompt

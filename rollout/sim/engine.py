@@ -141,28 +141,9 @@ class SimResult:
         return self.generated_tokens / self.makespan_s if self.makespan_s else 0.0
 
 
-def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int, max_num_seqs: int,
-             token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
-             prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
-             sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None,
-             ask_every_step: bool = False, speculation: Speculation | None = None, feed=None) -> SimResult:
-    """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group]]]), in
-    arrival order) to completion under `policy`. `nominal_max_tokens`: the max_tokens the policy is told, as the
-    benchmark tells the adapter (None: each request's own length, a request whose max_tokens is its length).
-    `sibling_order`: reorders the waiting requests of probed groups as their samples finish, as the adapter.
-    `requests_at_first_step`: how many requests the engine holds at its first step (None: all); the rest arrive
-    before the second, as vLLM's front end streams a batch into the engine core's process. `ask_every_step`:
-    call the policy at every step, also where its `steady_until` says its answer stands (the adapter does not).
-    `speculation`: speculative decoding as `Speculation` models it (None: none). `feed(clock, waiting, running,
-    cap)`: the positions in `requests` that reach the engine after a step (and before the first), as a
-    data-parallel dispatcher hands them over; then only those run, and the pass ends when the engine is empty
-    and `feed` gives none."""
-    steps = simulate_steps(requests, policy, kv_capacity_blocks=kv_capacity_blocks, block_size=block_size,
-                           max_num_seqs=max_num_seqs, token_budget=token_budget, step_time=step_time,
-                           keep_trace=keep_trace, prior_lengths=prior_lengths, share_prompts=share_prompts,
-                           nominal_max_tokens=nominal_max_tokens, sibling_order=sibling_order,
-                           requests_at_first_step=requests_at_first_step, ask_every_step=ask_every_step,
-                           speculation=speculation, feed=feed)
+def simulate(requests, policy, **options) -> SimResult:
+    """`simulate_steps` run to its end: the pass's `SimResult`."""
+    steps = simulate_steps(requests, policy, **options)
     while True:
         try:
             next(steps)
@@ -170,12 +151,23 @@ def simulate(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int
             return done.value
 
 
-def simulate_steps(requests, policy, *, kv_capacity_blocks, block_size, max_num_seqs, token_budget, step_time,
-                   keep_trace=False, prior_lengths=None, share_prompts=True, nominal_max_tokens=None,
-                   sibling_order=None, requests_at_first_step=None, ask_every_step=False, speculation=None,
-                   feed=None):
-    """`simulate` a step at a time: yields the clock after each step and returns the `SimResult`, so several
-    engines (data parallel) advance in the order of their clocks."""
+def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_blocks: int, block_size: int,
+                   max_num_seqs: int, token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
+                   prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
+                   sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None,
+                   ask_every_step: bool = False, speculation: Speculation | None = None, feed=None):
+    """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group]]]), in
+    arrival order) to completion under `policy`, a step at a time: yields the clock after each step and returns
+    the `SimResult`, so several engines (data parallel) advance in the order of their clocks.
+    `nominal_max_tokens`: the max_tokens the policy is told, as the benchmark tells the adapter (None: each
+    request's own length, a request whose max_tokens is its length). `sibling_order`: reorders the waiting
+    requests of probed groups as their samples finish, as the adapter. `requests_at_first_step`: how many
+    requests the engine holds at its first step (None: all); the rest arrive before the second, as vLLM's front
+    end streams a batch into the engine core's process. `ask_every_step`: call the policy at every step, also
+    where its `steady_until` says its answer stands (the adapter does not). `speculation`: speculative decoding
+    as `Speculation` models it (None: none). `feed(clock, waiting, running, cap)`: the positions in `requests`
+    that reach the engine after a step (and before the first), as a data-parallel dispatcher hands them over;
+    then only those run, and the pass ends when the engine is empty and `feed` gives none."""
     queue = [SimRequest(*r, row=k) for k, r in enumerate(requests)]
     first = 0 if feed is not None else len(queue) if requests_at_first_step is None else max(
         requests_at_first_step, 1)

@@ -115,7 +115,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
     queues as they stand at its time. Returns each iteration's pass time per engine and the time its longest
     request took from its start to its end (both iteration x engine): the longest of those is a pass time no
     split can beat at the steps' speed."""
-    from rollout.engine import Job, plan_pass
+    from rollout.engine import Job, plan_pass, submission_order
     from rollout.parallel import Dispatcher, predicted_work, split_by_work, waiting_wanted
     from rollout.sim.engine import simulate_steps
 
@@ -157,11 +157,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
                     return []
                 else:
                     taken = dispatcher.take(rank, wanted - waiting, steal=waiting == 0)
-                pairs = [(job, s) for job in taken or [] for s in job.samples]
-                if probes:  # as PassRun.submit: a probe of each unknown prompt first, its siblings last
-                    positions, _ = probe_first_order([job.index for job, _ in pairs],
-                                                     [not job.known for job, _ in pairs])
-                    pairs = [pairs[k] for k in positions]
+                pairs, _ = submission_order(taken or [], probes)  # as PassRun.submit
                 return [groups[ids[job.index]][s] for job, s in pairs]
             return feed
 
