@@ -175,3 +175,23 @@ def resolve_model(path: str) -> str:
     if not Path(path).is_dir():
         raise ModelError(f"model folder {path!r} does not exist (no hub access: models must be local)")
     return path
+
+
+def forced_token_weights(state: dict, token: int) -> dict:
+    """A Llama state dict changed so that greedy decoding can emit nothing but `token`: every position's final
+    hidden state becomes the all-ones vector, and only one row of the output head sees it (what the weight-push
+    tests and scripts/gpu_weight_push.py check an engine's update against)."""
+    import torch
+
+    def force(name, tensor):
+        if name == "model.embed_tokens.weight" or name.endswith("norm.weight"):
+            return torch.ones_like(tensor)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return torch.zeros_like(tensor)
+        if name == "lm_head.weight":
+            head = torch.zeros_like(tensor)
+            head[token] = 1.0
+            return head
+        return tensor
+
+    return {name: force(name, tensor) for name, tensor in state.items()}

@@ -19,23 +19,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from rollout.config import RunConfig, validate
 from rollout.engine import RolloutEngine
+from rollout.models import forced_token_weights
 
 FORCED_TOKEN = 77
-
-
-def forced(state: dict) -> dict:
-    # Every final hidden state becomes the all-ones vector and only one row of the head sees it.
-    def force(name, tensor):
-        if name == "model.embed_tokens.weight" or name.endswith("norm.weight"):
-            return torch.ones_like(tensor)
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            return torch.zeros_like(tensor)
-        if name == "lm_head.weight":
-            head = torch.zeros_like(tensor)
-            head[FORCED_TOKEN] = 1.0
-            return head
-        return tensor
-    return {name: force(name, t) for name, t in state.items()}
 
 
 def main(out: Path) -> int:
@@ -65,7 +51,7 @@ def main(out: Path) -> int:
         checks["push_s"] = round(time.perf_counter() - start, 3)
         pushed = engine.rollout(prompts).completion_ids
         checks["pushed_changes_outputs"] = pushed != initial
-        engine.update_weights(forced(trainer_state))
+        engine.update_weights(forced_token_weights(trainer_state, FORCED_TOKEN))
         checks["forced_token_everywhere"] = all(t == FORCED_TOKEN for c in engine.rollout(prompts).completion_ids
                                                 for t in c)
         free_awake = torch.cuda.mem_get_info()[0]

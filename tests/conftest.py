@@ -24,26 +24,3 @@ def vllm_log_level_restored():
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = before
 
-
-def forced_weights(state: dict, token: int) -> dict:
-    """The tiny Llama's state dict changed so that greedy decoding can emit nothing but `token`: every position's
-    final hidden state becomes the all-ones vector, and only one row of the output head sees it."""
-    import torch
-
-    def force(name, tensor):
-        if name == "model.embed_tokens.weight" or name.endswith("norm.weight"):
-            return torch.ones_like(tensor)
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            return torch.zeros_like(tensor)
-        if name == "lm_head.weight":
-            head = torch.zeros_like(tensor)
-            head[token] = 1.0
-            return head
-        return tensor
-
-    return {name: force(name, tensor) for name, tensor in state.items()}
-
-
-@pytest.fixture(scope="session")
-def force_token():
-    return forced_weights

@@ -73,15 +73,17 @@ def test_rollout_returns_a_training_batch(engine):
 
 
 @pytest.mark.engine
-def test_pushed_weights_change_the_generated_tokens_and_can_be_undone(engine, tiny_model, force_token):
+def test_pushed_weights_change_the_generated_tokens_and_can_be_undone(engine, tiny_model):
     from transformers import AutoModelForCausalLM
+
+    from rollout.models import forced_token_weights
 
     state = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
     before = engine.rollout(prompts).completion_ids
     forced_token = 77
     assert any(token != forced_token for c in before for token in c)
-    engine.update_weights(force_token(state, forced_token))
+    engine.update_weights(forced_token_weights(state, forced_token))
     forced = engine.rollout(prompts).completion_ids
     assert all(token == forced_token for c in forced for token in c)
     engine.update_weights(state.items())  # an iterator of (name, tensor) works too

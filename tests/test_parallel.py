@@ -131,10 +131,11 @@ def test_a_killed_engine_share_is_rerun_exactly_once(tiny_model, tmp_path):
 
 
 @pytest.mark.engine
-def test_a_trainer_drives_two_engines_as_one(tiny_model, tmp_path, force_token):
+def test_a_trainer_drives_two_engines_as_one(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout.config import load_config
+    from rollout.models import forced_token_weights
     from rollout.parallel import ParallelEngines
 
     overrides = [f"model.path={tiny_model}", "data.source=unused", "sampling.n=1", "sampling.max_tokens=8",
@@ -156,7 +157,7 @@ def test_a_trainer_drives_two_engines_as_one(tiny_model, tmp_path, force_token):
 
         forced_token = 77
         assert any(token != forced_token for c in batch.completion_ids for token in c)
-        engines.update_weights(force_token(state, forced_token))
+        engines.update_weights(forced_token_weights(state, forced_token))
         forced = engines.rollout(prompts)
         assert all(n > 0 for n in forced.summary["prompts_per_engine"])  # both engines took the new weights
         assert all(token == forced_token for c in forced.completion_ids for token in c)
