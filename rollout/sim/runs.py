@@ -116,7 +116,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
     request took from its start to its end (both iteration x engine): the longest of those is a pass time no
     split can beat at the steps' speed."""
     from rollout.engine import Job, plan_pass, submission_order
-    from rollout.parallel import Dispatcher, predicted_work, split_by_work, waiting_wanted
+    from rollout.parallel import Dispatcher, predicted_work, probes_unknown, split_by_work, waiting_wanted
     from rollout.sim.engine import simulate_steps
 
     settings = scheduler_settings(bench, name)
@@ -141,6 +141,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
         queues = [sorted([(float(work[j]), jobs[j]) for j in share], key=lambda item: -item[0])
                   for share in split_by_work(work, engines)]
         dispatcher = Dispatcher(queues, expected=len(requests))
+        probing = probes_unknown(jobs, probes)
         index_of = {g: j for j, g in enumerate(ids)}
         table = [(len(r.prompt.token_ids), r.output_tokens, float(scales[index_of[r.group]]), r.group,
                   index_of[r.group] if probes and not known[index_of[r.group]] and len(groups[r.group]) > 1
@@ -150,7 +151,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
             first = [True]
 
             def feed(clock: float, waiting: int, running: int, cap: int) -> list[int]:
-                wanted = waiting_wanted(cap, running)
+                wanted = waiting_wanted(cap, running, probing)
                 if first[0]:
                     first[0], taken = False, dispatcher.take(rank, b_max, steal=False, tokens=2 * kv_capacity_tokens)
                 elif waiting >= wanted:
