@@ -519,6 +519,7 @@ def submission_order(jobs: list[Job], probes: bool) -> tuple[list[tuple[Job, int
                                                 [not job.known for job, _ in pairs])
     return [pairs[k] for k in positions], probe_groups
 
+
 class PassRun:
     """One pass of an engine: requests submitted in `Job`s (all at once, or more while it runs) and stepped
     until none is left; finished samples become records. Request ids are "<prompt index>:<sample>"."""

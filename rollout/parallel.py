@@ -26,7 +26,7 @@ import json
 import os
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -180,12 +180,8 @@ class EngineWorker:
             probing: bool = False) -> dict:
         """One pass: jobs from the dispatcher until it says every sample is in; finished samples go back to it.
         `sampling`: the driver's sampling settings for this pass (a trainer's `rollout()` overrides them)."""
-        engine = self.engine
-        configured, engine.cfg.sampling = engine.cfg.sampling, sampling
-        try:
+        with sampling_overrides(self.engine.cfg, asdict(sampling)):
             return self._run(rank, dispatcher, num_prompts, prior, probing)
-        finally:
-            engine.cfg.sampling = configured
 
     def _run(self, rank: int, dispatcher, num_prompts: int, prior: list[float], probing: bool) -> dict:
         import ray
@@ -235,11 +231,10 @@ class EngineWorker:
         return summary
 
     def ready(self) -> bool:
-        return True
+        """Once the engine is up: whether it has a tokenizer (it does not with skip_tokenizer_init)."""
+        return self.engine.tokenizer is not None
 
     def encode(self, texts: list[str]) -> list[list[int]]:
-        if self.engine.tokenizer is None:
-            raise ValueError("rollout(): text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
         return [self.engine.tokenizer.encode(t) for t in texts]
 
     def update_weights(self, weights: dict) -> None:
@@ -301,7 +296,7 @@ class ParallelEngines:
             ).remote(engine_cfg, str(self.workdir / f"engine-{rank}")))
         start = time.monotonic()
         try:
-            ray.get([actor.ready.remote() for actor in self.actors])
+            self.tokenizes = all(ray.get([actor.ready.remote() for actor in self.actors]))
         except Exception:
             self.close()
             raise
@@ -409,7 +404,7 @@ class ParallelEngines:
         import ray
 
         first = self.actors[self.alive[0]]
-        prompts = as_prompts(prompts, lambda texts: ray.get(first.encode.remote(texts)))
+        prompts = as_prompts(prompts, (lambda texts: ray.get(first.encode.remote(texts))) if self.tokenizes else None)
         with sampling_overrides(self.cfg, sampling):
             result = self.generate(prompts)
         return RolloutBatch.from_records(result.records, result.summary)
@@ -419,19 +414,19 @@ class ParallelEngines:
         Ray's object store, loaded by all engines at once."""
         import ray
 
-        ref = ray.put(weights_for_engine(weights, self.cfg.model.dtype))
-        ray.get([self.actors[rank].update_weights.remote(ref) for rank in self.alive])
+        self._on_every_engine("update_weights", ray.put(weights_for_engine(weights, self.cfg.model.dtype)))
 
     def sleep(self, level: int = 1) -> None:
         """Every engine's `sleep` (GPU only; `model.engine_kwargs.enable_sleep_mode=true`)."""
-        import ray
-
-        ray.get([self.actors[rank].sleep.remote(level) for rank in self.alive])
+        self._on_every_engine("sleep", level)
 
     def wake_up(self) -> None:
+        self._on_every_engine("wake_up")
+
+    def _on_every_engine(self, method: str, *args) -> None:
         import ray
 
-        ray.get([self.actors[rank].wake_up.remote() for rank in self.alive])
+        ray.get([getattr(self.actors[rank], method).remote(*args) for rank in self.alive])
 
     def _shutdown(self) -> None:
         import ray

@@ -13,7 +13,7 @@ A scheduler may carry policy settings: `forecast:forecast_after=8:eps_m=0.1`.
 prefill terms (that run's prefill steps are all large admission waves, which cannot tell a per-token from a
 per-step cost). For long-cot it is the closer model (docs/results.md).
 
-`--kv-bytes=N` (first argument): another model shape's KV bytes per token (57344 for configs/models/qwen2.5-7b),
+`--kv-bytes=N` (first argument, before `--h100`): another model shape's KV bytes per token (57344 for configs/models/qwen2.5-7b),
 which sets both the cache's tokens and the KV-read term.
 """
 import dataclasses

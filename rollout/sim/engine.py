@@ -134,7 +134,6 @@ class SimResult:
     trace: list = field(default_factory=list)
     last: CriticalPath | None = None  # the request that finished the pass
     longest: CriticalPath | None = None  # the pass's longest request (the latest to finish of the longest)
-    requests: list = field(default_factory=list)  # with keep_trace: every SimRequest, in the pass's order
 
     @property
     def tokens_per_s(self) -> float:
@@ -360,5 +359,4 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
     ran = [r for r in queue if r.finished_s is not None]
     last = max(ran, key=lambda r: (r.finished_s, r.output_tokens), default=None)
     longest = max(ran, key=lambda r: (r.output_tokens, r.finished_s), default=None)
-    return SimResult(clock, generated, preemptions, recomputed, steps, trace, path(last), path(longest),
-                     list(queue) if keep_trace else [])
+    return SimResult(clock, generated, preemptions, recomputed, steps, trace, path(last), path(longest))

@@ -35,7 +35,6 @@ class ProfileRun:
     last: list = field(default_factory=list)  # each iteration's CriticalPath (rollout.sim.engine)
     longest: list = field(default_factory=list)  # each iteration's longest request, as a CriticalPath
     traces: list = field(default_factory=list)  # each iteration's step trace, with keep_trace (rollout.sim.engine)
-    requests: list = field(default_factory=list)  # each iteration's SimRequests in its order, with keep_trace
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,7 +99,6 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         run.last.append(result.last)
         run.longest.append(result.longest)
         run.traces.append(result.trace)
-        run.requests.append(result.requests)
     return run
 
 
