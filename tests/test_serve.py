@@ -21,11 +21,13 @@ pytestmark = pytest.mark.engine
 
 STARTUP_S = 300  # a server's start on 2 CPU cores: the engine's process, the model, the KV cache
 # Prompt -> output tokens (imposed with ignore_eos): each prompt's samples run as long as each other.
-# The blocker, sent first, runs while the others arrive (the engine admits it at once, being idle).
-PROMPTS = {"blocker": ([41, 42, 43], 150), "short": ([11, 12, 13, 14, 15, 16], 6),
+# The blocker, sent first, runs while the others arrive (the engine admits it at once, being idle): its first
+# sample's 300 steps outlast the 0.3 s the others take to be sent.
+PROMPTS = {"blocker": ([41, 42, 43], 300), "short": ([11, 12, 13, 14, 15, 16], 6),
            "middle": ([21, 22, 23, 24, 25], 20), "long": ([31, 32, 33, 34], 60)}
 ORDER = ["blocker", "short", "middle", "long"]  # the order each pass sends them in
 SAMPLES = 3
+ALL_BUT_ONE = len(PROMPTS) * SAMPLES - 1
 
 
 def free_port() -> int:
@@ -87,7 +89,9 @@ class Server:
                 errors.append(exc)
 
         threads = [threading.Thread(target=send, args=(name,)) for name in names]
-        for thread in threads:
+        threads[0].start()
+        self.wait_running()  # the first is running before the rest are sent, however slow the host
+        for thread in threads[1:]:
             thread.start()
             time.sleep(0.1)
         for thread in threads:
@@ -95,6 +99,17 @@ class Server:
         if errors:
             raise errors[0]
         return done
+
+    def wait_running(self, timeout_s: float = 60.0) -> None:
+        """Until the engine reports a request running (vLLM's Prometheus gauge)."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            with urllib.request.urlopen(self.base + "/metrics", timeout=5) as response:
+                for line in response.read().decode().splitlines():
+                    if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= 1:
+                        return
+            time.sleep(0.02)
+        raise AssertionError(f"no request running {timeout_s:.0f} s after the first was sent")
 
     def stop(self) -> int:
         """SIGINT, as a terminal's Ctrl-C: vLLM's own shutdown, which calls the scheduler's."""
@@ -112,6 +127,13 @@ def trace_steps(path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
 
 
+def waiting_before_first_finish(steps: list[dict], pass_index: int) -> int:
+    """The most requests waiting in a pass (of 4 prompts x SAMPLES) before its first finish: all but the running
+    one when every request arrived while the blocker's first sample ran, which the order tests presume."""
+    finished_before = pass_index * len(PROMPTS) * SAMPLES
+    return max(r["waiting"] for r in steps if r["finished"] == finished_before)
+
+
 def test_vllm_serve_with_our_scheduler_learns_each_prompts_length_and_keeps_it_across_a_restart(
         tiny_model, tmp_path):
     """One request at a time (b_max 1, vLLM's max_num_seqs 32). After the first pass the scheduler knows each
@@ -127,6 +149,8 @@ def test_vllm_serve_with_our_scheduler_learns_each_prompts_length_and_keeps_it_a
         memory = json.loads((state / "prompt_lengths.json").read_text())["mean_output_tokens"]
         assert memory == pytest.approx({prompt_key(ids): n for ids, n in PROMPTS.values()})
         second = server.one_pass(ORDER)
+        # The trace is written before a pass's last output leaves.
+        assert waiting_before_first_finish(trace_steps(tmp_path / "trace.jsonl"), 1) == ALL_BUT_ONE
         assert second.index("long") < second.index("middle"), second
     finally:
         assert server.stop() == 0, open(tmp_path / "serve.log").read()[-3000:]
@@ -142,6 +166,7 @@ def test_vllm_serve_with_our_scheduler_learns_each_prompts_length_and_keeps_it_a
         start = json.loads((tmp_path / "trace2.jsonl").read_text().splitlines()[0])
         assert start["event"] == "start" and start["stats_count"] == 2 * len(PROMPTS) * SAMPLES
         third = restarted.one_pass(ORDER)
+        assert waiting_before_first_finish(trace_steps(tmp_path / "trace2.jsonl"), 0) == ALL_BUT_ONE
         assert third.index("long") < third.index("middle"), third
     finally:
         assert restarted.stop() == 0
