@@ -37,8 +37,8 @@ SCHEDULER_SETTINGS = {
     "state_dir": "A folder for what the scheduler learns (length statistics, each prompt's lengths): read when the "
                  "engine starts, written as each pass ends and at shutdown. Unset: kept for the engine's lifetime.",
     "trace_path": "A JSON-lines file for one record per engine step (cap, running, KV use). Unset: no trace.",
-    "learn_prompts": "true (default): the scheduler keeps the per-prompt memory and orders its own waiting queue. "
-                     "Our driver sets false: it sends each request's scale and probe group itself.",
+    "learn_prompts": "true (default): the scheduler keeps the per-prompt memory, orders its own waiting queue "
+                     "and probes prompts never seen; false: the length statistics alone.",
     "stats_in": "Length statistics to start from; unset: state_dir's.",
     "stats_out": "Where the length statistics are saved; unset: state_dir's.",
     "stats_options": "LengthStats options: forgetting, window, decay (see policy.*).",

@@ -1,7 +1,9 @@
 """The rollout driver: builds vLLM once with the dynamic-batch scheduler and generates n samples per prompt.
 
-`RolloutEngine` is what a trainer keeps across RL iterations: the scheduler (and the length statistics inside
-it) lives as long as the engine, so each `generate` call starts from what the previous ones learned.
+`RolloutEngine` is what a trainer keeps across RL iterations: the scheduler (and what it learns: the length
+statistics, each prompt's lengths) lives as long as the engine, so each `generate` call starts from what the
+previous ones taught. The driver tells the scheduler nothing it would not learn inside any other engine: it reads
+the scheduler's files (trace, statistics, memory) back, and submits longest predicted first by that memory.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 import warnings
 from collections import Counter
@@ -147,7 +150,7 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     )
     if p.name != "vllm":  # "vllm": vLLM's own scheduler and default max_num_seqs, the baseline
         kwargs.update(max_num_seqs=p.b_max, scheduler_cls=scheduler_class_path(async_scheduling),
-                      additional_config=adapter_settings(asdict(p), str(trace_path),
+                      additional_config=adapter_settings(asdict(p), str(trace_path), str(stats_out.parent),
                                                          str(stats_in) if stats_in else None,
                                                          str(stats_out), stats_options,
                                                          timing=cfg.output.trace_timing))
@@ -170,26 +173,15 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     return kwargs
 
 
-def plan_pass(memory: PromptLengths, keys: list[str], order: str) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """A pass's length scales (per prompt), submission order and prior lengths from a per-prompt memory, under
-    policy.order (`fifo`: scales of 1, the set's order, no prior)."""
+def submission_plan(memory: PromptLengths, keys: list[str], order: str) -> list[int]:
+    """The order a pass's prompts are submitted in (positions into `keys`): under policy.order `longest_first`,
+    longest predicted first by the scheduler's per-prompt memory, so that the first requests to reach the engine
+    are the ones it would start first; else the set's order. The scheduler orders its own queue as well: this
+    only decides what is there at its first step."""
     if order != "longest_first":
-        return np.ones(len(keys)), list(range(len(keys))), np.array([])
+        return list(range(len(keys)))
     scales = memory.scales(keys)
-    submission = sorted(range(len(keys)), key=lambda i: -scales[i])  # stable: ties keep the set's order
-    return scales, submission, memory.prior(keys, scales)
-
-
-def remember_lengths(memory: PromptLengths, keys: list[str], records: list[dict], path: Path) -> None:
-    """Each prompt's outputs of a pass (records numbered by `group_index` into `keys`) update its predicted
-    length for the next pass; saved to `path`."""
-    by_prompt: dict[str, list[int]] = {}
-    for record in records:
-        by_prompt.setdefault(keys[record["group_index"]], []).append(record["completion_tokens"])
-    for key, lengths in by_prompt.items():
-        memory.update(key, lengths)
-    if by_prompt:
-        memory.save(path)
+    return sorted(range(len(keys)), key=lambda i: -scales[i])  # stable: ties keep the set's order
 
 
 def sample_seed(seed: int, pass_index: int, num_prompts: int, n: int, index: int, sample: int) -> int:
@@ -273,9 +265,9 @@ class RolloutEngine:
         self.trace_path = self.workdir / TRACE_FILE
         self.stats_out = Path(cfg.output.stats_out) if cfg.output.stats_out else self.workdir / STATS_FILE
         self.stats_in = self._stats_prior()
+        # The scheduler's per-prompt memory (its state_dir's), which it reads when the engine starts.
         self.prompt_lengths_path = self.stats_out.with_name(PROMPT_LENGTHS_FILE)
-        prior = self.stats_in.with_name(PROMPT_LENGTHS_FILE) if self.stats_in else None
-        self.prompt_lengths = PromptLengths.load(prior) if prior and prior.is_file() else PromptLengths()
+        self._seed_prompt_lengths()
         self.model_path = resolve_model(cfg.model.path)
         # vLLM 0.32's CPU runner crashes on seeded requests whose prefill is chunked ("CPU Generator does not
         # use offset"); there the engine seed alone makes runs reproducible.
@@ -287,6 +279,22 @@ class RolloutEngine:
         self.engine_start_s = time.monotonic() - start
         self.tokenizer = None if kwargs.get("skip_tokenizer_init") else self.llm.get_tokenizer()
         self.header = read_trace_header(self.trace_path)
+
+    def _seed_prompt_lengths(self) -> None:
+        """The memory the scheduler starts from: the one beside output.stats_in, copied into its state_dir; none
+        where stats_in is unset (or auto, with no statistics saved yet)."""
+        prior = self.stats_in.with_name(PROMPT_LENGTHS_FILE) if self.stats_in else None
+        if prior == self.prompt_lengths_path:
+            return
+        self.prompt_lengths_path.unlink(missing_ok=True)
+        if prior is not None and prior.is_file():
+            self.prompt_lengths_path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(prior, self.prompt_lengths_path)
+
+    def prompt_lengths(self) -> PromptLengths:
+        """What the scheduler has learned of each prompt's lengths, as it saved it when its last pass ended."""
+        path = self.prompt_lengths_path
+        return PromptLengths.load(path) if path.is_file() else PromptLengths()
 
     def _stats_prior(self) -> Path | None:
         stats_in = self.cfg.output.stats_in
@@ -302,23 +310,19 @@ class RolloutEngine:
         # vLLM's metrics are process-wide and cumulative across generate() calls: callers take differences.
         return sum(getattr(metric, "value", 0) for metric in self.llm.get_metrics() if metric.name == name)
 
-    def sampling_params(self, seed: int, length_scale: float = 1.0, nominal_max_tokens: int | None = None,
-                        probe_group: int | None = None):
+    def sampling_params(self, seed: int, nominal_max_tokens: int | None = None):
+        """A sample's parameters: the configured sampling, and for benchmarks the nominal limit the policy is
+        told (`NOMINAL_MAX_TOKENS_KEY`), the one thing the driver tells the scheduler through a request."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from rollout.vllm_adapter import LENGTH_SCALE_KEY, NOMINAL_MAX_TOKENS_KEY, PROBE_GROUP_KEY
+        from rollout.vllm_adapter import NOMINAL_MAX_TOKENS_KEY
 
         s = self.cfg.sampling
-        extra = {LENGTH_SCALE_KEY: length_scale} if length_scale != 1.0 else {}
-        if nominal_max_tokens is not None:
-            extra[NOMINAL_MAX_TOKENS_KEY] = nominal_max_tokens
-        if probe_group is not None:
-            extra[PROBE_GROUP_KEY] = probe_group
+        extra = {NOMINAL_MAX_TOKENS_KEY: nominal_max_tokens} if nominal_max_tokens is not None else None
         return SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                               seed=seed if self.per_request_seeds else None, logprobs=s.logprobs,
-                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,
-                              extra_args=extra or None)
+                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra)
 
     def generate(self, prompts: list[Prompt], progress: bool = True, max_tokens: list[int] | None = None,
                  done: dict | None = None, sink=None, sink_every_s: float = 0.5,
@@ -334,31 +338,19 @@ class RolloutEngine:
         n = self.cfg.sampling.n
         done = done or {}
         keys = [prompt_key(p.token_ids) for p in prompts]
-        known = ~np.isnan(self.prompt_lengths.predict(keys))
-        scales, order, prior = plan_pass(self.prompt_lengths, keys, self.cfg.policy.order)
-        self._write_prior(prior)
-        jobs = [Job(i, prompts[i], [s for s in range(n) if (prompts[i].prompt_id, s) not in done],
-                    float(scales[i]), bool(known[i])) for i in order]
+        memory = self.prompt_lengths()
+        known = ~np.isnan(memory.predict(keys))
+        jobs = [Job(i, prompts[i], [s for s in range(n) if (prompts[i].prompt_id, s) not in done], bool(known[i]))
+                for i in submission_plan(memory, keys, self.cfg.policy.order)]
         run = PassRun(self, len(prompts), max_tokens, nominal_max_tokens)
         run.submit(jobs)
         new = run.drive(progress=progress, sink=sink, sink_every_s=sink_every_s, total=len(prompts) * n,
                         initial=len(done))
-        remember_lengths(self.prompt_lengths, keys, new, self.prompt_lengths_path)
         records = sorted([*done.values(), *new], key=lambda r: (r["group_index"], r["sample_index"]))
         summary = run.summary(records, new)
         summary["prompt_lengths"] = {"order": self.cfg.policy.order, "prompts_predicted": int(known.sum()),
                                      "path": str(self.prompt_lengths_path)}
         return GenerationResult(records=records, summary=summary, trace=run.trace.records)
-
-    def _write_prior(self, lengths: np.ndarray) -> None:
-        """The scheduler reads this when the pass's first request arrives (see the adapter's _read_prior)."""
-        from rollout.vllm_adapter import PASS_PRIOR_FILE
-
-        path = self.workdir / PASS_PRIOR_FILE
-        if len(lengths) == 0:
-            path.unlink(missing_ok=True)
-        else:  # written before the pass's first request is submitted: no reader can see it half-written
-            path.write_text(json.dumps({"lengths": np.round(lengths, 2).tolist()}))
 
     def _record(self, prompt: Prompt, index: int, sample: int, out) -> dict:
         completion = out.outputs[0]
@@ -497,27 +489,26 @@ class RolloutEngine:
 @dataclass
 class Job:
     """A prompt's samples still to generate in a pass: `index` is the prompt's place in the whole set (its samples'
-    seeds and record numbers follow from it), `scale` its predicted length relative to the set's mean, `known`
-    whether its lengths were seen in an earlier pass (an unknown prompt with several samples is probed)."""
+    seeds and record numbers follow from it), `known` whether its lengths were seen in an earlier pass (an
+    unknown prompt with several samples is probed)."""
 
     index: int
     prompt: Prompt
     samples: list[int]
-    scale: float = 1.0
     known: bool = False
 
 
-def submission_order(jobs: list[Job], probes: bool) -> tuple[list[tuple[Job, int]], list[int | None]]:
+def submission_order(jobs: list[Job], probes: bool) -> list[tuple[Job, int]]:
     """The jobs' requests, (job, sample index), in the order they are submitted: the jobs' order, or with
     `probes` a probe of each unknown prompt first and its siblings last (`probe_first_order`; a prompt's samples
-    are its group, identical prompts one group). Also each request's probe group (None: not probed)."""
+    are its group, identical prompts one group), so that the probes are what the engine has at hand first (the
+    scheduler finds the probes itself, from the requests that arrive)."""
     pairs = [(job, s) for job in jobs for s in job.samples]
     if not probes:
-        return pairs, [None] * len(pairs)
+        return pairs
     keys = {job.index: prompt_key(job.prompt.token_ids) for job in jobs}
-    positions, probe_groups = probe_first_order([keys[job.index] for job, _ in pairs],
-                                                [not job.known for job, _ in pairs])
-    return [pairs[k] for k in positions], probe_groups
+    positions, _ = probe_first_order([keys[job.index] for job, _ in pairs], [not job.known for job, _ in pairs])
+    return [pairs[k] for k in positions]
 
 
 class PassRun:
@@ -532,7 +523,6 @@ class PassRun:
         self.nominal_max_tokens = nominal_max_tokens
         self.prompts: dict[int, Prompt] = {}
         self.submitted: list[str] = []
-        self.probe_groups = 0  # probe group numbers stay distinct over the pass's submissions
         self.trace = TraceReader(engine.trace_path)
         self.preempted_before = engine._counter("vllm:num_preemptions")
         self.generated_before = engine._counter("vllm:generation_tokens")
@@ -543,15 +533,13 @@ class PassRun:
     def submit(self, jobs: list[Job]) -> None:
         """Adds the jobs' requests in their order (probes moved as `probe_first_order` says)."""
         engine, cfg = self.engine, self.engine.cfg
-        pairs, probe_groups = submission_order(jobs, cfg.policy.probe_first and cfg.policy.order == "longest_first")
-        probe_groups = [None if g is None else g + self.probe_groups for g in probe_groups]
-        self.probe_groups = max([g + 1 for g in probe_groups if g is not None], default=self.probe_groups)
+        pairs = submission_order(jobs, cfg.policy.probe_first and cfg.policy.order == "longest_first")
         llm_engine = engine.llm.llm_engine
-        for (job, sample), probe_group in zip(pairs, probe_groups):
+        for job, sample in pairs:
             self.prompts[job.index] = job.prompt
             params = engine.sampling_params(sample_seed(cfg.sampling.seed, engine.passes, self.num_prompts,
                                                         cfg.sampling.n, job.index, sample),
-                                            job.scale, self.nominal_max_tokens, probe_group)
+                                            self.nominal_max_tokens)
             if self.max_tokens is not None:
                 params.max_tokens = self.max_tokens[job.index]
             llm_engine.add_request(f"{job.index}:{sample}", {"prompt_token_ids": job.prompt.token_ids}, params)

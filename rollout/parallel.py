@@ -5,7 +5,9 @@ engines' resources are reserved in one placement group (PACK: one host where it 
 none starts before all of them can.
 
 This process keeps the prompt set, the sample store (a killed run resumes as a single-engine one does), the
-scorers (closures, which do not travel) and the per-prompt length memory, which every engine's samples update.
+scorers (closures, which do not travel) and the per-prompt length memory merged over the engines, which every
+engine's samples update: it splits the prompts by it, and each engine's scheduler starts each pass from it (a
+prompt an engine never ran is known to it as to the one that did).
 A `Dispatcher` actor holds the prompts no engine has started yet, one queue per engine: the shares come from
 `split_by_work` (a prompt's n samples together, heaviest first to the least-loaded engine), each queue heaviest
 first. An engine starts with twice its KV cache's tokens of predicted work (at most `policy.b_max` requests)
@@ -33,9 +35,9 @@ import numpy as np
 
 from rollout.batch import RolloutBatch
 from rollout.config import RunConfig, SamplingConfig
-from rollout.engine import (PROMPT_LENGTHS_FILE, GenerationResult, Job, PassRun, as_prompts, plan_pass,
-                            remember_lengths, sampling_overrides, weights_for_engine)
-from rollout.policy.length_stats import PromptLengths, prompt_key
+from rollout.engine import (PROMPT_LENGTHS_FILE, GenerationResult, Job, PassRun, as_prompts, sampling_overrides,
+                            weights_for_engine)
+from rollout.policy.length_stats import PromptLengths, prompt_key, save_json
 
 PLACEMENT_TIMEOUT_S = 600.0  # long enough for a cluster's autoscaler; then a clear error instead of a hang
 # An engine keeps this share of its running batch waiting: enough for the slots that free up between two asks,
@@ -82,6 +84,18 @@ def predicted_work(prompts, n: int, max_tokens: int, memory: PromptLengths | Non
     known = ~np.isnan(predicted)
     predicted[~known] = predicted[known].mean() if known.any() else max_tokens / 2.0
     return n * (np.array([len(p.token_ids) for p in prompts], dtype=float) + predicted)
+
+
+def remember_lengths(memory: PromptLengths, keys: list[str], records: list[dict], path: Path) -> None:
+    """Each prompt's outputs of a pass (records numbered by `group_index` into `keys`) update the merged memory,
+    as the scheduler that ran them updated its own (`PromptLengths.update`); saved to `path`."""
+    by_prompt: dict[str, list[int]] = {}
+    for record in records:
+        by_prompt.setdefault(keys[record["group_index"]], []).append(record["completion_tokens"])
+    for key, lengths in by_prompt.items():
+        memory.update(key, lengths)
+    if by_prompt:
+        memory.save(path)
 
 
 class Dispatcher:
@@ -176,20 +190,23 @@ class EngineWorker:
 
         self.engine = RolloutEngine(cfg, workdir)
 
-    def run(self, rank: int, dispatcher, num_prompts: int, prior: list[float], sampling: SamplingConfig,
+    def run(self, rank: int, dispatcher, num_prompts: int, memory: dict, sampling: SamplingConfig,
             probing: bool = False) -> dict:
         """One pass: jobs from the dispatcher until it says every sample is in; finished samples go back to it.
-        `sampling`: the driver's sampling settings for this pass (a trainer's `rollout()` overrides them)."""
+        `memory`: the per-prompt memory merged over the engines (a saved PromptLengths' content), which the
+        scheduler reads in as the pass opens. `sampling`: the driver's sampling settings for this pass (a
+        trainer's `rollout()` overrides them)."""
+        # Written before the pass's first request: the scheduler reads it in when that one arrives.
+        save_json(self.engine.prompt_lengths_path, memory)
         with sampling_overrides(self.engine.cfg, asdict(sampling)):
-            return self._run(rank, dispatcher, num_prompts, prior, probing)
+            return self._run(rank, dispatcher, num_prompts, probing)
 
-    def _run(self, rank: int, dispatcher, num_prompts: int, prior: list[float], probing: bool) -> dict:
+    def _run(self, rank: int, dispatcher, num_prompts: int, probing: bool) -> dict:
         import ray
 
         engine = self.engine
         llm_engine = engine.llm.llm_engine
         b_max = max(engine.cfg.policy.b_max, 1)
-        engine._write_prior(np.asarray(prior, dtype=float))
         run = PassRun(engine, num_prompts)
         last_ask = [0.0]
 
@@ -317,13 +334,12 @@ class ParallelEngines:
         done = done or {}
         keys = [prompt_key(p.token_ids) for p in prompts]
         known = ~np.isnan(self.memory.predict(keys))
-        scales, _, prior = plan_pass(self.memory, keys, cfg.policy.order)  # the order: each queue's, by work
         work = predicted_work(prompts, n, cfg.sampling.max_tokens, self.memory)
         shares = [[] for _ in self.actors]  # an engine that died in an earlier pass gets none
         for rank, share in zip(self.alive, split_by_work(work, len(self.alive))):
             shares[rank] = share
         jobs = {i: Job(i, replace(p, score=None), [s for s in range(n) if (p.prompt_id, s) not in done],
-                       float(scales[i]), bool(known[i])) for i, p in enumerate(prompts)}  # scorers stay here
+                       bool(known[i])) for i, p in enumerate(prompts)}  # scorers stay here
         queues = [sorted([(float(work[i]), jobs[i]) for i in share if jobs[i].samples], key=lambda item: -item[0])
                   for share in shares]
         expected = sum(len(job.samples) for job in jobs.values())
@@ -343,7 +359,8 @@ class ParallelEngines:
 
         started = time.monotonic()
         probing = probes_unknown(jobs.values(), cfg.policy.probe_first and cfg.policy.order == "longest_first")
-        runs = {self.actors[rank].run.remote(rank, dispatcher, len(prompts), prior.tolist(), cfg.sampling, probing):
+        memory = self.memory.to_dict()
+        runs = {self.actors[rank].run.remote(rank, dispatcher, len(prompts), memory, cfg.sampling, probing):
                 rank for rank in self.alive}
         summaries: dict[int, dict] = {}
         rerun = 0

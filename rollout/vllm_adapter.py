@@ -1,9 +1,10 @@
 """The one place that touches vLLM's scheduler: a subclass that sets the admission cap every step.
 
 vLLM builds the scheduler inside the engine-core process from `scheduler_cls="rollout.vllm_adapter.<Class>"`;
-our settings reach it through `additional_config={"rollout": {...}}` (see `adapter_settings`). Since the driver
-cannot reach that process, the scheduler writes a per-step trace (rollout/trace.py) and the length statistics to
-files the driver reads back.
+our settings reach it through `additional_config={"rollout": {...}}` (see `adapter_settings`). It learns by itself
+what it needs (the length statistics, each prompt's lengths, the longest-first order, the probes), from the
+requests that reach it, whoever drives the engine; it writes a per-step trace (rollout/trace.py) and what it
+learned (`state_dir`) to files the driver reads back.
 
 The cap knob depends on the installed vLLM: 0.32 has `max_num_active_reqs` (admission only, safe to move between
 steps); 0.26 has only `max_num_running_reqs`, which it also asserts against the running count, so the cap is never
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import multiprocessing
 import os
 import signal
@@ -58,14 +58,9 @@ _request_id = attrgetter("request_id")
 _output_list = attrgetter("_output_token_ids")
 
 
-LENGTH_SCALE_KEY = "rollout_length_scale"
 # The benchmarks impose each request's true length through max_tokens (with ignore_eos): they set this to the
 # limit a trainer would have given, which is all the policy is told (the oracle reads the true one).
 NOMINAL_MAX_TOKENS_KEY = "rollout_nominal_max_tokens"
-PASS_PRIOR_FILE = "pass_prior.json"  # beside the trace: the driver's expected lengths for the next pass
-# The samples of a prompt whose lengths the driver does not know carry its group (policy.probe_first): as they
-# finish, the waiting ones are reordered (rollout/policy/probes.py).
-PROBE_GROUP_KEY = "rollout_probe_group"
 
 
 def _extra_arg(request, key: str, default):
@@ -74,15 +69,12 @@ def _extra_arg(request, key: str, default):
     return extra.get(key, default) if extra else default
 
 
-def probe_group(request) -> int | None:
-    return _extra_arg(request, PROBE_GROUP_KEY, None)
-
-
 # Kept on each request when it arrives: its probe group, predicted length scale and whether it is a probed prompt's
-# held sample; from the driver's extra_args, or from the scheduler's own PromptMemory.
+# held sample, from the scheduler's PromptMemory (none of them without it: `learn_prompts` false).
 _probe_of = attrgetter("_rollout_probe")
 _scale_of = attrgetter("_rollout_scale")
 _held_of = attrgetter("_rollout_held")
+_placed_of = attrgetter("_rollout_placed")  # it was in the waiting queue when the queue was last put in order
 _computed = attrgetter("num_computed_tokens")
 
 
@@ -93,32 +85,28 @@ def _started(requests) -> list[bool]:
     may reorder ~100 times."""
     return [bool(a or b) for a, b in zip(map(len, map(_output_list, requests)), map(_computed, requests))]
 
-def length_scale(request) -> float:
-    """The predicted output length of a request's prompt relative to the average, set by the driver in
-    SamplingParams.extra_args from its per-prompt memory; 1.0 when none was given."""
-    return float(_extra_arg(request, LENGTH_SCALE_KEY, 1.0))
-
-
 def nominal_max_tokens(request) -> int:
     """The max_tokens the policy sees: the request's own, unless the driver set a nominal one (benchmarks)."""
     return int(_extra_arg(request, NOMINAL_MAX_TOKENS_KEY, request.max_tokens))
 
 
-def adapter_settings(policy: dict, trace_path: str, stats_in: str | None, stats_out: str | None,
+def adapter_settings(policy: dict, trace_path: str, state_dir: str | None, stats_in: str | None, stats_out: str | None,
                      stats_options: dict | None = None, timing: bool = True) -> dict:
     """The additional_config entry our driver (rollout.engine) configures the scheduler in the engine process
-    with: `policy`, the plain dict form of PolicyConfig; `timing`, the benchmark-only measurements (CPU times,
-    the adapter's own time; see rollout.trace.StepTimer). The driver keeps the per-prompt memory and sends each
-    request's scale and probe group (`learn_prompts` off). Call it in the thread that starts the engine: only an
-    engine started by the main thread ends with its parent (`end_with_parent`)."""
-    return {SETTINGS_KEY: {"policy": policy, "trace_path": trace_path, "stats_in": stats_in,
-                           "stats_out": stats_out, "stats_options": stats_options or {}, "timing": timing,
-                           "learn_prompts": False,
+    with: `policy`, the plain dict form of PolicyConfig; `state_dir`, where the scheduler keeps what it learns
+    (the driver reads the per-prompt memory there for its submission order); `timing`, the benchmark-only
+    measurements (CPU times, the adapter's own time; see rollout.trace.StepTimer). Nothing else reaches the
+    scheduler from the driver, as from any other engine's owner. Call it in the thread that starts the engine:
+    only an engine started by the main thread ends with its parent (`end_with_parent`)."""
+    return {SETTINGS_KEY: {"policy": policy, "trace_path": trace_path, "state_dir": state_dir,
+                           "stats_in": stats_in, "stats_out": stats_out, "stats_options": stats_options or {},
+                           "timing": timing,
                            "end_with_parent": threading.current_thread() is threading.main_thread()}}
 
 
 # Files the scheduler keeps in its `state_dir` (settings): what it learned, saved as each pass ends and at shutdown,
-# read back when an engine starts.
+# read back when an engine starts. The prompts' file is read again when a pass opens if someone else rewrote it
+# since (rollout.parallel merges its engines' memories so).
 STATE_STATS_FILE = "length_stats.json"
 STATE_PROMPTS_FILE = "prompt_lengths.json"
 
@@ -278,17 +266,16 @@ class _DynamicBatchMixin:
         # What the scheduler learns of prompts by itself (where no driver sends it): kept in state_dir if given.
         self.memory: PromptMemory | None = None
         self._memory_path = self.state_dir / STATE_PROMPTS_FILE if self.state_dir is not None else None
+        self._memory_stamp = None  # the memory file as this scheduler last read or wrote it
         if settings.get("learn_prompts", True):
-            self.memory = (PromptMemory.load(self._memory_path, config.order, config.probe_first)
-                           if self._memory_path is not None else PromptMemory(None, config.order, config.probe_first))
-        self._first_of: dict[str, object] = {}  # this pass: a prompt never seen -> its first request
+            self.memory = PromptMemory(None, config.order, config.probe_first)
+            self._reload_memory()
         self._arrived = False  # requests arrived since the queue was last put in order
         self.trace = TraceWriter(settings["trace_path"]) if settings.get("trace_path") else NoTrace()
         self.trace.event({"event": "start", "policy": self.batch_policy.name,
                           "kv_capacity_blocks": self.kv_capacity_blocks, "block_size": self.block_size,
                           "max_cap": self.max_cap, "graph_batch": self.graph_batch, "cap_attr": CAP_ATTR,
                           "stats_count": self.batch_policy.stats.count})
-        self._prior_path = self.trace.path.with_name(PASS_PRIOR_FILE) if self.trace.path is not None else None
         self.timer = StepTimer(detail=settings.get("timing", True))
         self.pass_state = PassState(bool(getattr(self.cache_config, "enable_prefix_caching", False)),
                                     self.block_size)
@@ -318,13 +305,14 @@ class _DynamicBatchMixin:
         started = time.perf_counter()
         if self.pass_state.pending == 0:  # requests arrive at an idle engine: a new pass (RL iteration)
             self._tell_finishes()  # any the last pass left, before the new one starts
-            self._first_of.clear()
-            self.batch_policy.start_pass(self.memory.open_pass() if self.memory is not None else self._read_prior())
+            if self.memory is not None:
+                self._reload_memory()
+            self.batch_policy.start_pass(self.memory.open_pass() if self.memory is not None else None)
             if self.drafts is not None:
                 self.drafts.new_pass()
+        request._rollout_placed = False
         if self.memory is None:
-            request._rollout_probe, request._rollout_scale = probe_group(request), length_scale(request)
-            request._rollout_held = False
+            request._rollout_probe, request._rollout_scale, request._rollout_held = None, 1.0, False
         else:
             self._learned_arrival(request)
         base_started = time.perf_counter()
@@ -336,46 +324,58 @@ class _DynamicBatchMixin:
     def _learned_arrival(self, request) -> None:
         """A request's scale and probe group from the scheduler's own memory of its prompt."""
         key = self._prompt_keys[request.request_id] = prompt_key(request.prompt_token_ids)
-        arrival = self.memory.arrive(key)
+        arrival = self.memory.arrive(key, request)
         request._rollout_scale, request._rollout_probe, request._rollout_held = (
             arrival.scale, arrival.probe_group, arrival.held)
-        if arrival.probes_first:
-            first = self._first_of.pop(key, None)
-            if first is not None:
-                first._rollout_probe = arrival.probe_group
-        elif arrival.probe_group is None and arrival.scale == 1.0 and key not in self.memory.lengths.mean:
-            self._first_of.setdefault(key, request)
+        if arrival.probes_first:  # the prompt's first request, waiting or running, is its probe
+            arrival.first._rollout_probe = arrival.probe_group
         self._arrived = True
 
     def _put_arrivals_in_order(self) -> None:
-        """The waiting queue in the memory's order (longest predicted first, probed prompts' held samples last),
-        once requests arrived since it last was; preempted requests keep their places."""
+        """The waiting queue in the memory's order (`arrival_order`: longest predicted first, probed prompts' held
+        samples last), once requests arrived since it last was; preempted requests and the held samples that were
+        already waiting keep their places."""
         self._arrived = False
         queue = self.waiting
         if not isinstance(queue, deque) or self.memory.order != "longest_first":
             return  # priority scheduling: vLLM's heap keeps its own order
         items = list(queue)
-        started = _started(items)
-        order = arrival_order(started, list(map(_held_of, items)), list(map(_scale_of, items)))
+        held = list(map(_held_of, items))
+        fixed = [began or (h and placed) for began, h, placed in zip(_started(items), held, map(_placed_of, items))]
+        order = arrival_order(fixed, held, list(map(_scale_of, items)))
+        for request in items:
+            request._rollout_placed = True
         if order != list(range(len(items))):
             queue.clear()
             queue.extend(items[k] for k in order)
 
-    def _read_prior(self) -> np.ndarray | None:
-        # The driver writes it before submitting a pass, so it is in place when the first request arrives.
-        if self._prior_path is None:
-            return None
+    def _file_stamp(self):
         try:
-            return np.asarray(json.loads(self._prior_path.read_text())["lengths"], dtype=float)
-        except (OSError, ValueError, KeyError, TypeError):
+            stat = os.stat(self._memory_path)
+        except (OSError, TypeError):
             return None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+    def _reload_memory(self) -> None:
+        """The memory file read in, where it changed since this scheduler last read or wrote it (at the start: a
+        restart; between passes: another's merge). A file that cannot be read raises ValueError naming it."""
+        stamp = self._file_stamp()
+        if stamp is not None and stamp != self._memory_stamp:
+            self.memory = PromptMemory.load(self._memory_path, self.memory.order, self.memory.probe_first)
+            self._memory_stamp = stamp
+
+    def _save_memory(self) -> None:
+        if self._memory_path is not None:
+            self.memory.save(self._memory_path)
+            self._memory_stamp = self._file_stamp()
 
     def _free_request(self, request, *args, **kwargs):
         # Every finish (stop, length, abort of a stop string) passes here once.
         started = time.perf_counter()
         self._finished += 1
         probed = getattr(request, "_rollout_probe", None)
-        if probed is not None:
+        aborted = request.status == RequestStatus.FINISHED_ABORTED  # its length so far is no output's length
+        if probed is not None and not aborted:
             self.pass_state.sibling_order.observe(probed, request.num_output_tokens)
         row, group = self.pass_state.finish(request, nominal_max_tokens(request))
         key = self._prompt_keys.pop(request.request_id, None)
@@ -385,14 +385,13 @@ class _DynamicBatchMixin:
                 self.drafts.remember(key, list(request.output_token_ids))
             self.drafts.forget(request.request_id)
         if self.memory is not None:
-            if key is not None and request.status != RequestStatus.FINISHED_ABORTED:
+            if key is not None and not aborted:
                 self.memory.finished(key, request.num_output_tokens)
             if self.pass_state.pending == 0:  # the pass's last request: what it taught is kept
                 self.memory.close_pass()
-                if self._memory_path is not None:
-                    self.memory.save(self._memory_path)
+                self._save_memory()
         self._finishes.append((request.num_prompt_tokens, request.num_output_tokens, request._rollout_scale, group,
-                               row))
+                               row, aborted))
         self.timer.add_adapter(time.perf_counter() - started)
         return super()._free_request(request, *args, **kwargs)
 
@@ -608,8 +607,8 @@ class _DynamicBatchMixin:
                 self.trace.add(record, None)
             self.trace.flush()
             self._save_stats()
-            if self.memory is not None and self._memory_path is not None:
-                self.memory.save(self._memory_path)
+            if self.memory is not None and self._file_stamp() in (None, self._memory_stamp):
+                self._save_memory()  # unless someone else rewrote it since: theirs is the newer
             self.trace.close()
         finally:
             super().shutdown()

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import threading
+import zlib
 from collections import deque
 
 import pytest
@@ -19,7 +20,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, RolloutScheduler,
@@ -28,7 +29,6 @@ from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks
 
 BLOCK = 16  # tokens per KV block
 TOKEN = 7  # what the synthetic model samples
-PROBE_GROUP = "rollout_probe_group"  # the extra arg the driver sets on a probed prompt's samples
 CAP = check_scheduler_hooks()  # the attribute vLLM admits by
 
 
@@ -71,7 +71,7 @@ def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64,
                                          max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False),
         additional_config=({SETTINGS_KEY: settings} if settings is not None
-                           else adapter_settings(policy, str(trace_path), None, None)))
+                           else adapter_settings(policy, str(trace_path), None, None, None)))
     config.cache_config.num_gpu_blocks = num_blocks
     # As a GPU engine's config has it (vLLM's CPU platform turns async scheduling off while building the config).
     config.scheduler_config.async_scheduling = async_scheduling
@@ -84,9 +84,10 @@ def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64,
 
 
 def request(name: str, prompt_tokens: int, max_tokens: int, **extra_args) -> Request:
+    """A request whose prompt is its own (no two names share one, so the scheduler probes none)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args or None)
-    return Request(request_id=name, prompt_token_ids=[len(name)] * prompt_tokens, sampling_params=params,
-                   pooling_params=None)
+    return Request(request_id=name, prompt_token_ids=[1 + zlib.crc32(name.encode()) % 1000] * prompt_tokens,
+                   sampling_params=params, pooling_params=None)
 
 
 class Spy:
@@ -221,9 +222,9 @@ def test_a_missing_hook_is_named_with_the_vllm_version():
 def test_only_an_engine_a_main_thread_starts_ends_with_its_parent():
     # Linux signals a process when the parent's *thread* that started it ends: an engine that a trainer starts
     # from a worker thread must not be ended when that thread returns.
-    assert adapter_settings({}, "trace", None, None)[SETTINGS_KEY]["end_with_parent"] is True
+    assert adapter_settings({}, "trace", None, None, None)[SETTINGS_KEY]["end_with_parent"] is True
     seen = []
-    worker = threading.Thread(target=lambda: seen.append(adapter_settings({}, "trace", None, None)))
+    worker = threading.Thread(target=lambda: seen.append(adapter_settings({}, "trace", None, None, None)))
     worker.start()
     worker.join()
     assert seen[0][SETTINGS_KEY]["end_with_parent"] is False
@@ -343,26 +344,27 @@ def test_the_policy_sees_the_queues_head_that_fits_the_free_kv_plus_one_request(
 # Probe groups
 
 
-@pytest.mark.parametrize("probed", [True, False])
-def test_a_finished_probe_moves_its_groups_waiting_siblings(build, probed):
-    """One request at a time. Probes a0 (short) and b0 (long) go first, their siblings after everything else,
-    with c (no group) among them. When a0 finishes short, the samples of group b, whose probe has not finished,
-    go ahead of a's; c keeps its place."""
-    scheduler = build({"name": "static", "b_max": 1},
-                               max_num_seqs=1)
+@pytest.mark.parametrize("learns", [True, False])
+def test_a_finished_probe_moves_its_groups_waiting_siblings(model_dir, learns):
+    """One request at a time, a first pass: prompts a and b of three samples each, c of one, arriving as the driver
+    submits them (a probe of each prompt first, its siblings last). The scheduler makes a0 and b0 the probes and
+    holds their siblings behind c. When a0 finishes short, the samples of b, whose probe has not finished, go ahead
+    of a's. Without its memory (`learn_prompts` false) it keeps the arrival order."""
+    scheduler = make_scheduler(model_dir, None, {}, max_num_seqs=1,
+                               settings={"policy": {"name": "static", "b_max": 1}, "learn_prompts": learns})
     lengths = {"a": 2, "b": 6, "c": 3}
-    groups = {"a": 0, "b": 1}
     names = ["a0", "b0", "a1", "a2", "c", "b1", "b2"]
-    run = Run(scheduler, [request(name, 20, lengths[name[0]],
-                                  **({PROBE_GROUP: groups[name[0]]} if probed and name[0] in groups else {}))
-                          for name in names])
-    admitted = []
-    for _ in run.steps():
-        admitted += [r.request_id for r in scheduler.running if r.request_id not in admitted]
-        if admitted == ["a0"]:  # nothing has finished yet: submission order
-            assert [r.request_id for r in scheduler.waiting] == names[1:]
-    assert admitted == (["a0", "b0", "b1", "b2", "c", "a1", "a2"] if probed else names)
-
+    try:
+        run = Run(scheduler, [prompt_request(name, "abc".index(name[0]), lengths[name[0]]) for name in names])
+        admitted = []
+        for _ in run.steps():
+            admitted += [r.request_id for r in scheduler.running if r.request_id not in admitted]
+            if admitted == ["a0"]:  # nothing has finished yet: the arrival order, the held siblings last
+                assert [r.request_id for r in scheduler.waiting] == (
+                    ["b0", "c", "a1", "a2", "b1", "b2"] if learns else names[1:])
+        assert admitted == (["a0", "b0", "c", "b1", "b2", "a1", "a2"] if learns else names)
+    finally:
+        scheduler.shutdown()
 
 
 # Backfill
@@ -489,6 +491,50 @@ def test_on_its_own_the_scheduler_probes_prompts_it_never_saw(build, model_dir, 
         scheduler.shutdown()
 
 
+def test_a_held_sample_already_waiting_stays_ahead_of_prompts_that_arrive_after_it(model_dir):
+    """As a data-parallel engine's queue is refilled: x0 x1 arrive and x0 (the probe) runs, x1 held; then y0 y1
+    arrive. x1 waits for its own probe, not for y's: the queue holds x1, then y0, then y1 (held)."""
+    scheduler = make_scheduler(model_dir, None, {}, max_num_seqs=1,
+                               settings={"policy": {"name": "static", "b_max": 1}})
+    try:
+        run = Run(scheduler, [prompt_request("x0", 0, 20), prompt_request("x1", 0, 20)])
+        run.step()
+        assert [r.request_id for r in scheduler.running] == ["x0"]
+        later = [prompt_request("y0", 1, 20), prompt_request("y1", 1, 20)]
+        run.requests.update({r.request_id: r for r in later})
+        for r in later:
+            scheduler.add_request(r)
+        run.step()
+        assert [r.request_id for r in scheduler.running] == ["x0"]
+        assert [r.request_id for r in scheduler.waiting] == ["x1", "y0", "y1"]
+        for _ in run.steps():
+            pass
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_cancelled_request_frees_its_place_but_teaches_no_length(model_dir, tmp_path):
+    """a (prompt 0) is cancelled after a few tokens, as by a client that went away; b (prompt 1) finishes. The
+    policy's length statistics and the scheduler's per-prompt memory learn b's length alone, though both left."""
+    from rollout.policy.length_stats import PromptLengths, prompt_key
+
+    settings = {"policy": {"name": "forecast", "b_max": 2}, "state_dir": str(tmp_path / "state")}
+    scheduler = make_scheduler(model_dir, None, {}, max_num_seqs=2, settings=settings)
+    try:
+        run = Run(scheduler, [prompt_request("a", 0, 50), prompt_request("b", 1, 8)])
+        for _ in range(4):
+            run.step()
+        scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+        for _ in run.steps():
+            pass
+        scheduler.schedule()  # the policy is told of the finishes at the next step
+        assert scheduler.batch_policy.stats.count == 1
+        memory = PromptLengths.load(tmp_path / "state" / "prompt_lengths.json")
+        assert memory.mean == {prompt_key([2] * 20): 8.0}
+    finally:
+        scheduler.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_one_scheduler_name_builds_the_one_the_engines_scheduling_needs(model_dir, async_scheduling):
     scheduler = make_scheduler(model_dir, None, {}, cls=RolloutScheduler, async_scheduling=async_scheduling,
@@ -501,12 +547,29 @@ def test_the_one_scheduler_name_builds_the_one_the_engines_scheduling_needs(mode
         scheduler.shutdown()
 
 
-def test_our_driver_turns_the_schedulers_own_memory_off(build):
-    scheduler = build({"name": "static", "b_max": 1}, max_num_seqs=1)
-    assert scheduler.memory is None
-    requests = [prompt_request(f"r{p}", p, n) for p, n in enumerate([2, 6])]
-    assert admission_order(scheduler, requests) == ["r0", "r1"]
-    assert admission_order(scheduler, [prompt_request(f"s{p}", p, n) for p, n in enumerate([2, 6])]) == ["s0", "s1"]
+def test_a_memory_rewritten_between_passes_is_read_when_the_next_opens(model_dir, tmp_path):
+    """As rollout.parallel merges its engines' memories: after a pass, another process writes the state_dir's
+    memory file (here: prompt 0 long, which this scheduler saw short). The next pass runs prompt 0 first, though it
+    arrives last, and the scheduler's shutdown leaves a file rewritten since as it was written."""
+    from rollout.policy.length_stats import PromptLengths, prompt_key
+
+    settings = {"policy": {"name": "static", "b_max": 1}, "state_dir": str(tmp_path / "state")}
+    memory_file = tmp_path / "state" / "prompt_lengths.json"
+    scheduler = make_scheduler(model_dir, None, {}, max_num_seqs=1, settings=settings)
+    try:
+        assert admission_order(scheduler, [prompt_request(f"a{p}", p, n) for p, n in enumerate([2, 6])]) == [
+            "a0", "a1"]
+        merged = PromptLengths.load(memory_file)
+        merged.update(prompt_key([1] * 20), [40])  # prompt 0's tokens, as prompt_request makes them
+        merged.save(memory_file)
+        # Arriving prompt 1 first: its own memory alone (0 short, 1 long) would keep that order.
+        assert admission_order(scheduler, [prompt_request("b1", 1, 6), prompt_request("b0", 0, 2)]) == ["b0", "b1"]
+        merged = PromptLengths.load(memory_file)
+        merged.update(prompt_key([1] * 20), [400])
+        merged.save(memory_file)
+    finally:
+        scheduler.shutdown()
+    assert PromptLengths.load(memory_file).last[prompt_key([1] * 20)] == [400]
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rollout.policy.prompt_memory import PromptMemory, arrival_order
+from rollout.policy.prompt_memory import PromptMemory, arrival_order, pass_arrivals
 
 
 def test_scales_are_relative_to_the_remembered_mean_and_fixed_for_a_pass():
@@ -38,7 +38,23 @@ def test_an_unseen_prompt_becomes_a_probe_group_at_its_second_request():
     assert [memory.arrive("x").probe_group for _ in range(2)] == [None, None]
     fifo = PromptMemory(order="fifo")
     fifo.open_pass()
-    assert [fifo.arrive("x") for _ in range(2)] == [(1.0, None, False, False)] * 2
+    assert [fifo.arrive("x") for _ in range(2)] == [(1.0, None, False, False, None)] * 2
+
+
+def test_a_pass_seen_whole_gives_each_request_what_the_scheduler_learns_as_they_arrive():
+    """The simulator's view (pass_arrivals) against arrive() one request at a time, as the adapter calls it: the
+    probed prompt's first request gets its group when the second arrives; a known prompt is scaled."""
+    memory = PromptMemory()
+    memory.open_pass()
+    memory.arrive("k")
+    memory.finished("k", 10)
+    memory.close_pass()
+    memory.open_pass()
+    arrivals = pass_arrivals(memory, ["x", "k", "x", "y", "x"])
+    assert [a.probe_group for a in arrivals] == [0, None, 0, None, 0]
+    assert [a.held for a in arrivals] == [False, False, True, False, True]
+    assert [a.scale for a in arrivals] == [1.0, 1.0, 1.0, 1.0, 1.0]  # k is the remembered mean
+    assert arrivals[2].first == 0  # the handle given with x's first request
 
 
 def test_arrival_order_keeps_started_requests_in_place_and_puts_held_ones_last():

@@ -159,11 +159,14 @@ class Policy(ABC):
         return None
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
-                         group: int = -1, row: int = -1) -> None:
+                         group: int = -1, row: int = -1, aborted: bool = False) -> None:
         """A finished request; `length_scale` is how long its prompt's outputs were predicted to be relative to the
         average (1: nothing known); `group`: the group (prompt) of its sibling samples, -1 if none; `row`: its row in
-        the pass, as the StepState's `*_rows` gave it (-1: not known)."""
-        self.stats.observe(prompt_tokens, output_tokens)
+        the pass, as the StepState's `*_rows` gave it (-1: not known). `aborted`: cancelled before it finished (a
+        client that went away, a trainer's abort): it frees its memory, but its length so far is no length of its
+        prompt's outputs, and no length statistic learns it."""
+        if not aborted:
+            self.stats.observe(prompt_tokens, output_tokens)
 
     def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
         """One finished engine step: its latency, how many requests decoded, how many prompt tokens it ran."""

@@ -963,11 +963,12 @@ class ForecastPolicy(MemoryPolicy):
         return None if self.since.new_pass else self.last
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
-                         group: int = -1, row: int = -1) -> None:
-        super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row)
-        if self.siblings is not None:
-            self.siblings.observe(group, output_tokens, length_scale)
-        self.lengths.observe_finished(output_tokens / max(length_scale, 1e-6), group)
+                         group: int = -1, row: int = -1, aborted: bool = False) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row, aborted)
+        if not aborted:
+            if self.siblings is not None:
+                self.siblings.observe(group, output_tokens, length_scale)
+            self.lengths.observe_finished(output_tokens / max(length_scale, 1e-6), group)
         since, last = self.since, self._current()
         since.freed_tokens += prompt_tokens + output_tokens
         since.finished += 1

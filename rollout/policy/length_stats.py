@@ -309,9 +309,12 @@ class PromptLengths:
             return np.array([])
         return np.concatenate([np.asarray(self.last[k], dtype=float) / s for k, s in seen.items()])
 
+    def to_dict(self) -> dict:
+        return {"format_version": 1, "keep": self.keep, "mean_output_tokens": self.mean,
+                "last_output_tokens": self.last}
+
     def save(self, path: str | os.PathLike) -> None:
-        save_json(path, {"format_version": 1, "keep": self.keep, "mean_output_tokens": self.mean,
-                         "last_output_tokens": self.last})
+        save_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike, keep: float | None = None) -> PromptLengths:

@@ -126,8 +126,8 @@ class OraclePolicy(StaticPolicy):
         self._finishes_wanted = self._admitted_up_to = 0
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
-                         group: int = -1, row: int = -1) -> None:
-        super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row)
+                         group: int = -1, row: int = -1, aborted: bool = False) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row, aborted)
         self._finishes_wanted -= 1
         self._admitted_up_to -= 1
 

@@ -59,9 +59,9 @@ class MemoryPolicy(Policy):
         self.std_demand_blocks = math.nan
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, length_scale: float = 1.0,
-                         group: int = -1, row: int = -1) -> None:
-        super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row)
-        self.finished_since_update += 1
+                         group: int = -1, row: int = -1, aborted: bool = False) -> None:
+        super().observe_finished(prompt_tokens, output_tokens, length_scale, group, row, aborted)
+        self.finished_since_update += not aborted
 
     def observe_step(self, latency_s: float, decode_requests: int, prefill_tokens: int) -> None:
         if self.graph is not None:

@@ -23,8 +23,10 @@ class Arrival(NamedTuple):
     scale: float  # predicted output length relative to the pass's reference (1: nothing known)
     probe_group: int | None  # a probed prompt's number in the pass (None: known, or a prompt of one request)
     held: bool  # a probed prompt's sample after its probe: it waits behind every other request
-    # This arrival made its prompt a probed group: the prompt's first request (already waiting) is its probe.
+    # This arrival made its prompt a probed group: the prompt's first request (already waiting, or running) is its
+    # probe, and `first` is what was handed in with it (`PromptMemory.arrive`).
     probes_first: bool = False
+    first: object = None
 
 
 class PromptMemory:
@@ -41,6 +43,7 @@ class PromptMemory:
         self._pass: dict[str, list[int]] = {}  # this pass's finished output lengths per prompt
         self._probes: dict[str, int] = {}  # this pass's probed prompts -> their probe group
         self._counts: dict[str, int] = {}  # this pass's requests per prompt
+        self._first: dict[str, object] = {}  # this pass's prompts never seen, of one request so far -> its handle
 
     def open_pass(self) -> np.ndarray | None:
         """A pass begins. Returns the policy's prior for it (`Policy.start_pass`): the latest lengths of every
@@ -48,34 +51,37 @@ class PromptMemory:
         self._pass.clear()
         self._probes.clear()
         self._counts.clear()
+        self._first.clear()
         known = self.lengths.mean
         self._reference = float(np.mean(list(known.values()))) if known else np.nan
         if self.order != "longest_first" or not self.lengths.last:
             return None
         keys = list(self.lengths.last)
-        return self.lengths.prior(keys, np.array([self._scale(k) for k in keys]))
+        return self.lengths.prior(keys, np.array([self.scale(k) for k in keys]))
 
-    def _scale(self, key: str) -> float:
+    def scale(self, key: str) -> float:
+        """A prompt's predicted output length relative to this pass's reference (1: nothing known)."""
         mean = self.lengths.mean.get(key)
         if mean is None or not self._reference > 0:
             return 1.0
         return max(mean / self._reference, 1e-3)
 
-    def arrive(self, key: str) -> Arrival:
-        """A request of prompt `key` arrived. vLLM hands a prompt's n samples over as requests of one sample
-        each, one after another: a prompt never seen becomes a probed group when its second request arrives,
-        and its first is the probe (`Arrival.probes_first`)."""
+    def arrive(self, key: str, handle: object = None) -> Arrival:
+        """A request of prompt `key` arrived (`handle`: the caller's for it). vLLM hands a prompt's n samples over
+        as requests of one sample each, one after another: a prompt never seen becomes a probed group when its
+        second request arrives, and its first is the probe (`Arrival.probes_first`, its handle `Arrival.first`)."""
         count = self._counts[key] = self._counts.get(key, 0) + 1
         if self.order != "longest_first":
             return Arrival(1.0, None, False)
         if key in self.lengths.mean or not self.probe_first:
-            return Arrival(self._scale(key), None, False)
+            return Arrival(self.scale(key), None, False)
         if count == 1:
+            self._first[key] = handle
             return Arrival(1.0, None, False)
         probe = self._probes.get(key)
         if probe is None:
             probe = self._probes[key] = len(self._probes)
-            return Arrival(1.0, probe, True, probes_first=True)
+            return Arrival(1.0, probe, True, probes_first=True, first=self._first.pop(key, None))
         return Arrival(1.0, probe, True)
 
     def finished(self, key: str, output_tokens: int) -> None:
@@ -102,13 +108,28 @@ class PromptMemory:
         return cls(lengths, order, probe_first)
 
 
-def arrival_order(started: Sequence[bool], held: Sequence[bool], scales: Sequence[float]) -> list[int]:
-    """The waiting queue's new order (positions into it): requests that already ran (preempted) keep their
+def pass_arrivals(memory: PromptMemory, keys: Sequence[str]) -> list[Arrival]:
+    """What the scheduler (rollout.vllm_adapter) ends up knowing of each request where requests of these prompts
+    arrive in this order: a probed prompt's first request gets its probe group when its second arrives. The
+    simulator's view of a pass, which must match the adapter's."""
+    arrivals = []
+    for k, key in enumerate(keys):
+        arrival = memory.arrive(key, k)
+        arrivals.append(arrival)
+        if arrival.probes_first:
+            arrivals[arrival.first] = arrivals[arrival.first]._replace(probe_group=arrival.probe_group)
+    return arrivals
+
+
+def arrival_order(fixed: Sequence[bool], held: Sequence[bool], scales: Sequence[float]) -> list[int]:
+    """The waiting queue's new order (positions into it) once requests arrived: the `fixed` ones keep their
     places; the others fill the remaining places longest predicted first, a probed prompt's held samples after
-    every other, ties in queue order."""
-    places = [k for k, began in enumerate(started) if not began]
+    every other, ties in queue order. Fixed are the requests that already ran (preempted) and the held samples
+    that were waiting before: a held sample waits for its own probe, not for the probes of prompts that arrive
+    after it (as a data-parallel engine's queue is refilled), so the later arrivals queue behind it."""
+    places = [k for k, keep in enumerate(fixed) if not keep]
     ordered = sorted(places, key=lambda k: (held[k], -scales[k]))
-    result = list(range(len(started)))
+    result = list(range(len(fixed)))
     for place, k in zip(places, ordered):
         result[place] = k
     return result

@@ -21,6 +21,7 @@ import numpy as np
 
 from rollout.policy import StepState
 from rollout.policy.probes import SiblingOrder, reorder_siblings
+from rollout.policy.prompt_memory import arrival_order
 from rollout.policy.step import (NUM_COLUMNS, PassShape, Requests, StepGate, decide, least_progress_last,
                                  preemption_possible, promote_to_front, shared_prompt_blocks)
 
@@ -88,9 +89,10 @@ class Speculation:
 class SimRequest:
     prompt_tokens: int
     output_tokens: int
-    length_scale: float = 1.0  # predicted length relative to the average (the driver's per-prompt memory)
+    length_scale: float = 1.0  # predicted length relative to the average (the scheduler's per-prompt memory)
     group: int | None = None  # requests of one group share the prompt (prefix caching)
     probe_group: int | None = None  # a first-pass probe's group (rollout/policy/probes.py): its place may move
+    held: bool = False  # a probed prompt's sample after its probe: it waits behind every other request
     row: int = -1  # its place in the pass (what the policy is told when it finishes)
     generated: int = 0
     computed: int = 0  # tokens whose KV is in the cache
@@ -154,9 +156,10 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
                    max_num_seqs: int, token_budget: int, step_time: StepTimeModel, keep_trace: bool = False,
                    prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
                    sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None,
-                   ask_every_step: bool = False, speculation: Speculation | None = None, feed=None):
-    """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group]]]), in
-    arrival order) to completion under `policy`, a step at a time: yields the clock after each step and returns
+                   ask_every_step: bool = False, speculation: Speculation | None = None, feed=None,
+                   order_arrivals: bool = False):
+    """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group[, held]]]]),
+    in arrival order) to completion under `policy`, a step at a time: yields the clock after each step and returns
     the `SimResult`, so several engines (data parallel) advance in the order of their clocks.
     `nominal_max_tokens`: the max_tokens the policy is told, as the benchmark tells the adapter (None: each
     request's own length, a request whose max_tokens is its length). `sibling_order`: reorders the waiting
@@ -166,7 +169,8 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
     where its `steady_until` says its answer stands (the adapter does not). `speculation`: speculative decoding
     as `Speculation` models it (None: none). `feed(clock, waiting, running, cap)`: the positions in `requests`
     that reach the engine after a step (and before the first), as a data-parallel dispatcher hands them over;
-    then only those run, and the pass ends when the engine is empty and `feed` gives none."""
+    then only those run, and the pass ends when the engine is empty and `feed` gives none. `order_arrivals`: the
+    waiting queue is put in `arrival_order` as requests arrive, as the adapter does with its per-prompt memory."""
     queue = [SimRequest(*r, row=k) for k, r in enumerate(requests)]
     first = 0 if feed is not None else len(queue) if requests_at_first_step is None else max(
         requests_at_first_step, 1)
@@ -196,7 +200,14 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
 
     def arrive(batch: list[SimRequest]) -> None:
         nonlocal pending_prompt, pending_max
+        placed = set(map(id, waiting))
         waiting.extend(batch)
+        if order_arrivals and batch:
+            items = list(waiting)
+            order = arrival_order([r.generated > 0 or r.computed > 0 or (r.held and id(r) in placed) for r in items],
+                                  [r.held for r in items], [r.length_scale for r in items])
+            waiting.clear()
+            waiting.extend(items[k] for k in order)
         pending_prompt += sum(r.prompt_tokens for r in batch)
         pending_max += sum(nominal_max_tokens or r.output_tokens for r in batch)
 

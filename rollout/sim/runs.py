@@ -1,7 +1,7 @@
 """One scheduler over a benchmark profile's iterations in the simulator, as `rollout.suite.run_bench` runs it:
 the same policy object across iterations, the oracle sorted by true length (a group's samples together), and
-for `order=longest_first` the per-prompt length memory that `RolloutEngine` keeps (submission order, length
-scales, the pass prior)."""
+for `order=longest_first` the per-prompt memory the scheduler keeps (`PromptMemory`: the length scales, the
+probes, the pass prior, its queue's order) with the driver's submission longest predicted first by it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from rollout.config import PolicyConfig
 from rollout.policy import make_policy
 from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import SiblingOrder, probe_first_order
+from rollout.policy.prompt_memory import PromptMemory, arrival_order, pass_arrivals
 from rollout.sim.engine import StepTimeModel, simulate
 from rollout.suite import BenchConfig, scheduler_policy
 from rollout.workloads import ProfileConfig, longest_first, profile_requests
@@ -55,41 +56,52 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                      keep_trace: bool = False, speculation=None, share=None) -> ProfileRun:
     """`share(iteration, requests)`: the positions of the requests this engine runs in that iteration (None: all),
     for one engine of several (data parallel), which learns only from what it runs."""
+    from rollout.engine import submission_plan
+
     settings = scheduler_settings(bench, name)
-    probes = settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
+    learns = settings.get("order") == "longest_first"
+    probes = learns and settings.get("probe_first", PolicyConfig.probe_first)
     policy = make_policy(settings, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
-    memory = PromptLengths()
+    memory = PromptMemory(None, "longest_first", probes)  # the scheduler's (rollout.vllm_adapter)
     run = ProfileRun()
     for iteration in range(profile.iterations):
         requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
         if share is not None:
             requests = [requests[k] for k in share(iteration, requests)]
         keys = [prompt_key(r.prompt.token_ids) for r in requests]
-        scales, prior, probed = np.ones(len(requests)), None, [None] * len(requests)
+        rows = [(len(r.prompt.token_ids), r.output_tokens, 1.0, r.group) for r in requests]
+        prior = None
         if name.split(":")[0] == "oracle":
             requests = longest_first(requests)
-        elif settings.get("order") == "longest_first":
-            scales = memory.scales(keys)
-            prior = memory.prior(keys, scales) if memory.last else None
-            order = sorted(range(len(requests)), key=lambda i: -scales[i])
-            if probes:  # as RolloutEngine: a probe of each unknown prompt, its siblings last
-                unknown = np.isnan(memory.predict(keys))
-                positions, probed = probe_first_order([requests[i].group for i in order], [unknown[i] for i in order])
+            rows = [(len(r.prompt.token_ids), r.output_tokens, 1.0, r.group) for r in requests]
+        elif learns:
+            # As RolloutEngine submits: longest predicted first by the scheduler's memory, a probe of each prompt
+            # never seen first and its siblings last.
+            order = submission_plan(memory.lengths, keys, "longest_first")
+            if probes:
+                unknown = np.isnan(memory.lengths.predict(keys))
+                positions, _ = probe_first_order([requests[i].group for i in order], [unknown[i] for i in order])
                 order = [order[k] for k in positions]
-            requests, keys, scales = [requests[i] for i in order], [keys[i] for i in order], scales[order]
-        result = simulate([(len(r.prompt.token_ids), r.output_tokens, s, r.group, g)
-                           for r, s, g in zip(requests, scales, probed)], policy,
+            requests, keys = [requests[i] for i in order], [keys[i] for i in order]
+            # As the scheduler takes them: the pass's prior, each request's scale and probe, its queue's order.
+            prior = memory.open_pass()
+            arrivals = pass_arrivals(memory, keys)
+            queue = arrival_order([False] * len(requests), [a.held for a in arrivals], [a.scale for a in arrivals])
+            requests, keys, arrivals = [requests[k] for k in queue], [keys[k] for k in queue], [arrivals[k] for k in
+                                                                                               queue]
+            rows = [(len(r.prompt.token_ids), r.output_tokens, a.scale, r.group, a.probe_group, a.held)
+                    for r, a in zip(requests, arrivals)]
+        result = simulate(rows, policy,
                           kv_capacity_blocks=kv_capacity_tokens // block_size, block_size=block_size,
                           max_num_seqs=int(settings["b_max"]), token_budget=token_budget, step_time=step_time,
                           prior_lengths=prior, nominal_max_tokens=profile.max_output,
                           sibling_order=SiblingOrder() if probes else None,
                           requests_at_first_step=REQUESTS_AT_FIRST_STEP, keep_trace=keep_trace,
                           speculation=speculation)
-        by_prompt: dict[str, list[int]] = {}
-        for key, r in zip(keys, requests):
-            by_prompt.setdefault(key, []).append(r.output_tokens)
-        for key, lengths in by_prompt.items():
-            memory.update(key, lengths)
+        if learns:
+            for key, r in zip(keys, requests):
+                memory.finished(key, r.output_tokens)
+            memory.close_pass()
         run.makespan_s += result.makespan_s
         run.generated_tokens += result.generated_tokens
         run.preemptions += result.preemptions
@@ -108,12 +120,13 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
     """`rollout.parallel.ParallelEngines` in the simulator: `engines` engines, each with its own policy across
     iterations, over the profile's prompts. The split, the queues and the work stealing are the real
     `Dispatcher`'s, fed as `EngineWorker.run` feeds its engine (twice the cache's tokens at the start, then
-    as `waiting_wanted` says; stealing when none waits); the scales, the prior and the split come from one per-prompt
-    memory of all engines' samples. The engines advance in the order of their clocks, so each takes from the
+    as `waiting_wanted` says; stealing when none waits); the split comes from one per-prompt memory of all engines'
+    samples, and each engine's scheduler opens its pass with it (its scales, its prior) and puts its queue in
+    order as requests arrive. The engines advance in the order of their clocks, so each takes from the
     queues as they stand at its time. Returns each iteration's pass time per engine and the time its longest
     request took from its start to its end (both iteration x engine): the longest of those is a pass time no
     split can beat at the steps' speed."""
-    from rollout.engine import Job, plan_pass, submission_order
+    from rollout.engine import Job, submission_order
     from rollout.parallel import Dispatcher, predicted_work, probes_unknown, split_by_work, waiting_wanted
     from rollout.sim.engine import simulate_steps
 
@@ -132,18 +145,22 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
         prompts = [requests[groups[g][0]].prompt for g in ids]
         keys = [prompt_key(p.token_ids) for p in prompts]
         known = ~np.isnan(memory.predict(keys))
-        scales, _, prior = plan_pass(memory, keys, settings.get("order"))
+        learned = PromptMemory(memory, "longest_first", probes)  # what every engine's scheduler opens the pass with
+        prior = learned.open_pass() if settings.get("order") == "longest_first" else None
+        scales = [learned.scale(k) if settings.get("order") == "longest_first" else 1.0 for k in keys]
         work = predicted_work(prompts, max(len(v) for v in groups.values()), profile.max_output, memory)
-        jobs = [Job(j, prompts[j], list(range(len(groups[g]))), float(scales[j]), bool(known[j]))
-                for j, g in enumerate(ids)]
+        jobs = [Job(j, prompts[j], list(range(len(groups[g]))), bool(known[j])) for j, g in enumerate(ids)]
         queues = [sorted([(float(work[j]), jobs[j]) for j in share], key=lambda item: -item[0])
                   for share in split_by_work(work, engines)]
         dispatcher = Dispatcher(queues, expected=len(requests))
         probing = probes_unknown(jobs, probes)
         index_of = {g: j for j, g in enumerate(ids)}
+        # A prompt's samples all go to one engine, whose scheduler probes it where it is unknown and has several:
+        # its first sample is the probe, the others held.
+        probed = [probes and not known[index_of[r.group]] and len(groups[r.group]) > 1 for r in requests]
         table = [(len(r.prompt.token_ids), r.output_tokens, float(scales[index_of[r.group]]), r.group,
-                  index_of[r.group] if probes and not known[index_of[r.group]] and len(groups[r.group]) > 1
-                  else None) for r in requests]
+                  index_of[r.group] if p else None, p and k != groups[r.group][0])
+                 for k, (r, p) in enumerate(zip(requests, probed))]
 
         def feeder(rank: int):
             first = [True]
@@ -156,14 +173,14 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
                     return []
                 else:
                     taken = dispatcher.take(rank, wanted - waiting, steal=waiting == 0)
-                pairs, _ = submission_order(taken or [], probes)  # as PassRun.submit
+                pairs = submission_order(taken or [], probes)  # as PassRun.submit
                 return [groups[ids[job.index]][s] for job, s in pairs]
             return feed
 
         runs = [simulate_steps(table, policies[rank], kv_capacity_blocks=kv_capacity_tokens // block_size,
                                block_size=block_size, max_num_seqs=int(settings["b_max"]),
                                token_budget=token_budget, step_time=step_time,
-                               prior_lengths=prior if len(prior) else None,
+                               prior_lengths=prior, order_arrivals=settings.get("order") == "longest_first",
                                nominal_max_tokens=profile.max_output,
                                sibling_order=SiblingOrder() if probes else None, feed=feeder(rank))
                 for rank in range(engines)]
