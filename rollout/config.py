@@ -35,7 +35,9 @@ OWN_RUN_KEYS = ("data.source", "model.path")
 SCHEDULER_SETTINGS = {
     "policy": "PolicyConfig's fields, as a mapping (the `policy.*` keys below); unset ones keep their defaults.",
     "state_dir": "A folder for what the scheduler learns (length statistics, each prompt's lengths): read when the "
-                 "engine starts, written as each pass ends and at shutdown. Unset: kept for the engine's lifetime.",
+                 "engine starts, written as each pass ends and at shutdown. Engines given one folder share the "
+                 "prompts' lengths (each adds its passes' to the file, under its lock, and reads the others' as its "
+                 "next pass opens); the statistics are the last saver's. Unset: kept for the engine's lifetime.",
     "trace_path": "A JSON-lines file for one record per engine step (cap, running, KV use). Unset: no trace.",
     "learn_prompts": "true (default): the scheduler keeps the per-prompt memory, orders its own waiting queue "
                      "and probes prompts never seen; false: the length statistics alone.",

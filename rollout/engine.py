@@ -89,15 +89,19 @@ def set_vllm_log_level(level: str) -> str:
     """vLLM's own log lines at `level` (output.vllm_log_level) unless the user set VLLM_LOGGING_LEVEL, which
     wins; returns the level in force. vLLM reads the variable when it is imported, here and in the engine core's
     process (a child of this one, spawned or forked later), so it is set before the engine starts; a `vllm`
-    logger this process configured already is set as well. Only the log lines change: the statistics the
-    summary reads (`disable_log_stats=False`, `LLM.get_metrics`) are kept at every level."""
+    logger this process configured already is set as well, with its handlers (vLLM gives them the level it read
+    when it configured them). Only the log lines change: the statistics the summary reads
+    (`disable_log_stats=False`, `LLM.get_metrics`) are kept at every level."""
     global _written_log_level
     current = os.environ.get(VLLM_LOG_LEVEL_ENV)
     if current is None or current == _written_log_level:
         os.environ[VLLM_LOG_LEVEL_ENV] = _written_log_level = level.upper()
     in_force = os.environ[VLLM_LOG_LEVEL_ENV].upper()
     if in_force in logging.getLevelNamesMapping():  # a bad value of the user's is vLLM's to report
-        logging.getLogger("vllm").setLevel(in_force)
+        logger = logging.getLogger("vllm")
+        logger.setLevel(in_force)
+        for handler in logger.handlers:
+            handler.setLevel(in_force)
     return in_force
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import multiprocessing
 import os
 import signal
@@ -31,6 +32,7 @@ from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock, Timeout
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -106,9 +108,14 @@ def adapter_settings(policy: dict, trace_path: str, state_dir: str | None, stats
 
 # Files the scheduler keeps in its `state_dir` (settings): what it learned, saved as each pass ends and at shutdown,
 # read back when an engine starts. The prompts' file is read again when a pass opens if someone else rewrote it
-# since (rollout.parallel merges its engines' memories so).
+# since (rollout.parallel merges its engines' memories so), and several engines may share it (verl gives all of its
+# servers one configuration): each adds its pass's prompts to what the file holds, under its lock. The statistics'
+# file is the last saver's.
 STATE_STATS_FILE = "length_stats.json"
 STATE_PROMPTS_FILE = "prompt_lengths.json"
+MEMORY_LOCK_TIMEOUT_S = 30  # a save holds the lock for milliseconds: longer is a writer that hangs
+
+logger = logging.getLogger("rollout")
 
 
 def read_settings(additional_config: dict | None) -> dict:
@@ -364,10 +371,27 @@ class _DynamicBatchMixin:
             self.memory = PromptMemory.load(self._memory_path, self.memory.order, self.memory.probe_first)
             self._memory_stamp = stamp
 
-    def _save_memory(self) -> None:
-        if self._memory_path is not None:
-            self.memory.save(self._memory_path)
-            self._memory_stamp = self._file_stamp()
+    def _save_memory(self, updates: dict[str, list[int]] | None = None) -> None:
+        """The memory written to its file, under the file's lock. With a closed pass's `updates`: where another
+        engine wrote the file since this one last read or wrote it, the updates go onto what the file holds, so
+        that engines sharing a state_dir lose none of each other's prompts. Without: written only where nobody
+        else wrote since (theirs is the newer)."""
+        if self._memory_path is None:
+            return
+        try:
+            with FileLock(f"{self._memory_path}.lock", timeout=MEMORY_LOCK_TIMEOUT_S):
+                stamp = self._file_stamp()
+                if stamp is not None and stamp != self._memory_stamp:
+                    if updates is None:
+                        return
+                    merged = PromptMemory.load(self._memory_path, self.memory.order, self.memory.probe_first)
+                    merged.update(updates)
+                    self.memory.lengths = merged.lengths
+                self.memory.save(self._memory_path)
+                self._memory_stamp = self._file_stamp()
+        except Timeout:
+            logger.warning("%s stayed locked for %d s: this pass's prompt lengths are kept in this engine and "
+                           "saved with its next pass", self._memory_path, MEMORY_LOCK_TIMEOUT_S)
 
     def _free_request(self, request, *args, **kwargs):
         # Every finish (stop, length, abort of a stop string) passes here once.
@@ -388,8 +412,7 @@ class _DynamicBatchMixin:
             if key is not None and not aborted:
                 self.memory.finished(key, request.num_output_tokens)
             if self.pass_state.pending == 0:  # the pass's last request: what it taught is kept
-                self.memory.close_pass()
-                self._save_memory()
+                self._save_memory(self.memory.close_pass())
         self._finishes.append((request.num_prompt_tokens, request.num_output_tokens, request._rollout_scale, group,
                                row, aborted))
         self.timer.add_adapter(time.perf_counter() - started)
@@ -607,8 +630,8 @@ class _DynamicBatchMixin:
                 self.trace.add(record, None)
             self.trace.flush()
             self._save_stats()
-            if self.memory is not None and self._file_stamp() in (None, self._memory_stamp):
-                self._save_memory()  # unless someone else rewrote it since: theirs is the newer
+            if self.memory is not None:
+                self._save_memory()
             self.trace.close()
         finally:
             super().shutdown()

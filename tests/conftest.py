@@ -14,13 +14,13 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def vllm_log_level_restored():
-    """rollout.engine.set_vllm_log_level writes VLLM_LOGGING_LEVEL for the engines a process starts: one test's
-    engine must not set the level of the processes the next tests start."""
-    before = os.environ.get("VLLM_LOGGING_LEVEL")
+def environment_restored():
+    """Each test's changes to the environment end with it: the processes later tests start inherit it, and an
+    engine writes variables there (rollout.engine.set_vllm_log_level's VLLM_LOGGING_LEVEL; vLLM's own
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 under TRL's external launcher, VLLM_DIST_IDENT from a CPU worker in this
+    process; TRL's VLLM_LOGGING_LEVEL at its import)."""
+    before = dict(os.environ)
     yield
-    if before is None:
-        os.environ.pop("VLLM_LOGGING_LEVEL", None)
-    else:
-        os.environ["VLLM_LOGGING_LEVEL"] = before
-
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)

@@ -572,6 +572,32 @@ def test_a_memory_rewritten_between_passes_is_read_when_the_next_opens(model_dir
     assert PromptLengths.load(memory_file).last[prompt_key([1] * 20)] == [400]
 
 
+def test_engines_sharing_a_state_dir_keep_each_others_prompts(model_dir, tmp_path):
+    """As verl's servers, all given one state_dir, whose passes overlap: A's pass learns prompt 0, B's (open
+    before A's ended) prompt 1. The file holds both, and A's next pass knows prompt 1, which it never ran: it
+    runs it first, though it arrives last. Their shutdowns lose neither."""
+    from rollout.policy.length_stats import PromptLengths, prompt_key
+
+    settings = {"policy": {"name": "static", "b_max": 1}, "state_dir": str(tmp_path / "state")}
+    memory_file = tmp_path / "state" / "prompt_lengths.json"
+    both = {prompt_key([1] * 20): 2.0, prompt_key([2] * 20): 12.0}  # prompts 0 and 1, as prompt_request makes them
+    a = make_scheduler(model_dir, None, {}, max_num_seqs=1, settings=settings)
+    b = make_scheduler(model_dir, None, {}, max_num_seqs=1, settings=settings)
+    try:
+        run_a, run_b = Run(a, [prompt_request("a0", 0, 2)]), Run(b, [prompt_request("b1", 1, 12)])
+        run_b.step()
+        for _ in run_a.steps():
+            pass
+        for _ in run_b.steps():
+            pass
+        assert PromptLengths.load(memory_file).mean == both
+        assert admission_order(a, [prompt_request("c0", 0, 2), prompt_request("c1", 1, 12)]) == ["c1", "c0"]
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert PromptLengths.load(memory_file).mean == pytest.approx(both)
+
+
 @pytest.mark.parametrize("settings, message", [
     (None, r"needs additional_config\['rollout'\], e\.g\. --additional-config"),
     ({"policy": {}, "state_path": "x"}, r"unknown key 'state_path'; known: policy, state_dir"),

@@ -12,7 +12,7 @@ def test_scales_are_relative_to_the_remembered_mean_and_fixed_for_a_pass():
     for key, n in (("a", 100), ("b", 300)):
         memory.arrive(key)
         memory.finished(key, n)
-    assert memory.close_pass() == 2
+    assert memory.close_pass() == {"a": [100], "b": [300]}
     prior = memory.open_pass()
     # The mean is 200: a runs half of it, b 1.5 times; the prior is each prompt's lengths in those units.
     assert memory.arrive("a").scale == pytest.approx(0.5)

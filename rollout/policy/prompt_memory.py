@@ -88,14 +88,18 @@ class PromptMemory:
         """A request of this pass ended with `output_tokens` (not aborted)."""
         self._pass.setdefault(key, []).append(int(output_tokens))
 
-    def close_pass(self) -> int:
-        """The pass ended: each of its prompts' lengths update the memory. Returns the prompts updated."""
-        for key, lengths in self._pass.items():
-            self.lengths.update(key, lengths)
-        updated = len(self._pass)
+    def close_pass(self) -> dict[str, list[int]]:
+        """The pass ended: each of its prompts' lengths update the memory. Returns those lengths (prompt key ->
+        the pass's output lengths), for `update` on another copy of the memory."""
+        updates = dict(self._pass)
+        self.update(updates)
         self._pass.clear()
         self.passes += 1
-        return updated
+        return updates
+
+    def update(self, updates: dict[str, list[int]]) -> None:
+        for key, lengths in updates.items():
+            self.lengths.update(key, lengths)
 
     def save(self, path: str | os.PathLike) -> None:
         self.lengths.save(path)
