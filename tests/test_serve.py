@@ -47,7 +47,8 @@ class Server:
                    "--additional-config", json.dumps({"rollout": settings})]
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env=dict(os.environ, HF_HUB_OFFLINE="1", VLLM_SERVER_DEV_MODE="1"))
+                                        env=dict(os.environ, HF_HUB_OFFLINE="1", VLLM_SERVER_DEV_MODE="1",
+                                                 VLLM_LOGGING_LEVEL="INFO"))  # the request log is INFO
         self.log_path = log_path
         self.passes = 0
         started = time.monotonic()
@@ -91,10 +92,12 @@ class Server:
 
         self.post("/pause?mode=keep")
         threads = [threading.Thread(target=send, args=(name,)) for name in names]
-        for k, thread in enumerate(threads):
-            thread.start()
-            self.wait_added((k + 1) * SAMPLES)
-        self.post("/resume")
+        try:
+            for k, thread in enumerate(threads):
+                thread.start()
+                self.wait_added((k + 1) * SAMPLES)
+        finally:
+            self.post("/resume")  # also where the wait failed: the server stops only once its requests ended
         for thread in threads:
             thread.join(300)
         if errors:
