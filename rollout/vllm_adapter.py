@@ -40,7 +40,7 @@ from vllm.v1.request import RequestStatus
 from rollout.config import SCHEDULER_SETTINGS
 from rollout.drafts import DraftSource
 from rollout.policy import FallbackPolicy, LengthStats, PolicyConfig, StepState, make_policy
-from rollout.policy.length_stats import prompt_key
+from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import SiblingOrder, reorder_siblings
 from rollout.policy.prompt_memory import PromptMemory, arrival_order
 from rollout.policy.speculation import draft_length, tokens_tested
@@ -368,7 +368,7 @@ class _DynamicBatchMixin:
         restart; between passes: another's merge). A file that cannot be read raises ValueError naming it."""
         stamp = self._file_stamp()
         if stamp is not None and stamp != self._memory_stamp:
-            self.memory = PromptMemory.load(self._memory_path, self.memory.order, self.memory.probe_first)
+            self.memory.lengths = PromptLengths.load(self._memory_path)
             self._memory_stamp = stamp
 
     def _save_memory(self, updates: dict[str, list[int]] | None = None) -> None:
@@ -384,9 +384,8 @@ class _DynamicBatchMixin:
                 if stamp is not None and stamp != self._memory_stamp:
                     if updates is None:
                         return
-                    merged = PromptMemory.load(self._memory_path, self.memory.order, self.memory.probe_first)
-                    merged.update(updates)
-                    self.memory.lengths = merged.lengths
+                    self.memory.lengths = PromptLengths.load(self._memory_path)
+                    self.memory.update(updates)
                 self.memory.save(self._memory_path)
                 self._memory_stamp = self._file_stamp()
         except Timeout:

@@ -1,8 +1,8 @@
 """What a scheduler learns of prompts across passes by itself, from the requests that reach it: each prompt's
 output lengths (keyed by its token ids, `prompt_key`), the predicted length scales and longest-first order they
-give, and first-pass probes for prompts never seen. The driver (`rollout.engine`) computes the same from the
-prompt set it submits; a scheduler inside an engine someone else drives (vllm serve, an RL stack) computes it
-here, as requests stream in.
+give, and first-pass probes for prompts never seen, computed here as requests stream in, whoever drives the
+engine (our driver, vllm serve, an RL stack). The driver only reads the saved memory back for its submission
+order (`rollout.engine.submission_plan`); the simulator runs these same objects.
 
 Invariants: a pass opens when a request reaches an idle engine and closes when its last request ends; the scales
 of one pass are relative to one reference, fixed when it opens (the mean over the remembered prompts), so rows of

@@ -200,14 +200,15 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
 
     def arrive(batch: list[SimRequest]) -> None:
         nonlocal pending_prompt, pending_max
-        placed = set(map(id, waiting))
-        waiting.extend(batch)
         if order_arrivals and batch:
-            items = list(waiting)
+            placed = set(map(id, waiting))  # held samples already waiting keep their places
+            items = [*waiting, *batch]
             order = arrival_order([r.generated > 0 or r.computed > 0 or (r.held and id(r) in placed) for r in items],
                                   [r.held for r in items], [r.length_scale for r in items])
             waiting.clear()
             waiting.extend(items[k] for k in order)
+        else:
+            waiting.extend(batch)
         pending_prompt += sum(r.prompt_tokens for r in batch)
         pending_max += sum(nominal_max_tokens or r.output_tokens for r in batch)
 
