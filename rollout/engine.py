@@ -171,7 +171,8 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
         # graphs of mixed batches give wrong samples (docs/results.md, "Speculative decoding with real weights").
         kwargs["speculative_config"] = {"method": "custom_class", "model": NO_WORKER_DRAFTS,
                                         "num_speculative_tokens": p.spec_draft_tokens}
-    warning = full_graph_warning(kwargs.get("compilation_config"), gpu=not current_platform.is_cpu())
+    warning = compilation_warning(kwargs.get("compilation_config"), gpu=not current_platform.is_cpu(),
+                                  speculating=speculating)
     if warning:
         warnings.warn(warning, stacklevel=2)
     return kwargs
@@ -246,14 +247,20 @@ def weights_for_engine(weights, dtype: str) -> dict:
     return named
 
 
-def full_graph_warning(compilation, gpu: bool) -> str | None:
-    """What to tell a user whose compilation settings ask for full CUDA graphs of mixed prefill-decode batches."""
-    mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else None
-    if gpu and str(mode).upper() == "FULL":
+def compilation_warning(compilation, gpu: bool, speculating: bool = False) -> str | None:
+    """What to tell a user whose compilation settings give wrong samples or, for a speculating engine, eager steps."""
+    mode = str(compilation.get("cudagraph_mode") if isinstance(compilation, dict) else None).upper()
+    if gpu and mode == "FULL":
         return ("model.engine_kwargs.compilation_config.cudagraph_mode=FULL: vLLM 0.26's full graphs of mixed "
                 "prefill-decode batches gave wrong samples on an H200 (FlashAttention 3, SmolLM2-135M: samples off "
                 "their prompt's topic, 57% of them running to max_tokens against 28% under FULL_DECODE_ONLY; "
                 "docs/results.md)")
+    if gpu and speculating and mode == "FULL_DECODE_ONLY":
+        # A speculating engine's decode graphs hold 1 + k tokens a request: a step without drafts has no graph.
+        return ("model.engine_kwargs.compilation_config.cudagraph_mode=FULL_DECODE_ONLY with policy.spec_draft_tokens "
+                "> 0: every step without drafts runs eager (on an H200, SmolLM2-135M, 1,024 samples: the pass took "
+                "2.6x as long as without speculation; docs/results.md); leave cudagraph_mode to vLLM "
+                "(FULL_AND_PIECEWISE) or set policy.spec_draft_tokens=0")
     return None
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+VLLM_COMPILATION = ["model.engine_kwargs.compilation_config.mode=null",
+                    "model.engine_kwargs.compilation_config.cudagraph_mode=null"]
 CONDITIONS = {
     "vllm": ["policy.name=vllm"],
     "forecast": [],
@@ -40,6 +42,10 @@ CONDITIONS = {
     # (sync-full), and those with vLLM's speculation configured but (almost) no drafts (spec4-idle).
     "sync-full": ["model.async_scheduling=false", "model.engine_kwargs.compilation_config.cudagraph_mode=FULL"],
     "spec4-idle": ["policy.spec_draft_tokens=4", "policy.spec_max_batch=1"],
+    # vLLM's own compilation (torch.compile, piecewise graphs for steps of mixed shape, full graphs of uniform
+    # decodes), as a speculating engine built by rollout.generate keeps it: steps without drafts are not eager.
+    "spec4-vdefault": ["policy.spec_draft_tokens=4", *VLLM_COMPILATION],
+    "forecast-vdefault": VLLM_COMPILATION,
 }
 TAIL_SIZES = (16, 64)
 LOOP_WINDOW, LOOP_PERIOD = 256, 64

@@ -11,7 +11,7 @@ from scipy.stats import chi2_contingency
 
 from rollout.config import ConfigError, RunConfig, validate
 from rollout.data import Prompt
-from rollout.engine import RolloutEngine, engine_kwargs, full_graph_warning
+from rollout.engine import RolloutEngine, engine_kwargs, compilation_warning
 from rollout.models import build_chain_llama
 from rollout.vllm_plugin import expand_batch_to_tokens, expand_is_exact
 
@@ -171,15 +171,18 @@ def test_a_speculating_engine_keeps_the_compilation_settings_it_was_given(chain_
     assert kwargs["speculative_config"]["num_speculative_tokens"] == 3
 
 
-@pytest.mark.parametrize("compilation, gpu, warned", [
-    ({"cudagraph_mode": "FULL"}, True, True), ({"cudagraph_mode": "full"}, True, True),
-    ({"cudagraph_mode": "FULL"}, False, False), ({"cudagraph_mode": "FULL_DECODE_ONLY"}, True, False),
-    ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, True, False), (None, True, False)])
-def test_full_graphs_of_mixed_batches_are_warned_of_on_a_gpu(compilation, gpu, warned):
-    message = full_graph_warning(compilation, gpu)
-    assert (message is not None) == warned
+@pytest.mark.parametrize("compilation, gpu, speculating, warned", [
+    ({"cudagraph_mode": "FULL"}, True, False, "wrong samples"), ({"cudagraph_mode": "full"}, True, True, "wrong samples"),
+    ({"cudagraph_mode": "FULL"}, False, False, None), ({"cudagraph_mode": "FULL_DECODE_ONLY"}, True, False, None),
+    ({"cudagraph_mode": "FULL_DECODE_ONLY"}, True, True, "runs eager"),
+    ({"cudagraph_mode": "FULL_DECODE_ONLY"}, False, True, None),
+    ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, True, True, None), (None, True, True, None)])
+def test_compilation_settings_that_give_wrong_samples_or_eager_steps_are_warned_of_on_a_gpu(
+        compilation, gpu, speculating, warned):
+    message = compilation_warning(compilation, gpu, speculating)
+    assert (message is None) == (warned is None)
     if warned:
-        assert "wrong samples" in message and "docs/results.md" in message
+        assert warned in message and "docs/results.md" in message
 
 
 def decoy_prompts(model, count: int) -> list[Prompt]:
