@@ -55,11 +55,12 @@ for profile in bench.profiles:
               f"{'/'.join(f'{v:.0f}' for v in run.per_iteration_tokens_per_s)}  ({time.time() - t0:.1f} s to simulate)",
               flush=True)
         for k, trace in enumerate(run.traces):  # how full the cache is kept while requests wait, and how many run
-            clock, running, kv, waiting = (np.array([step[i] for step in trace]) for i in (0, 1, 3, 5))
+            clock, running, kv, waiting, longest = (np.array([step[i] for step in trace]) for i in (0, 1, 3, 5, 6))
             held = np.diff(clock, prepend=0.0) * (waiting > 0)
             print(f"{'':25s} pass {k}: requests waited {held.sum():.0f} of {clock[-1]:.0f} s, the cache then "
-                  f"{np.sum(kv * held) / held.sum():.2f} full with {np.sum(running * held) / held.sum():.0f} running "
-                  f"(time means)", flush=True)
+                  f"{np.sum(kv * held) / held.sum():.2f} full with {np.sum(running * held) / held.sum():.0f} running, "
+                  f"{np.sum(longest * held) / held.sum():.1f} of them of the pass's longest tenth (time means); "
+                  f"that tenth's most at once {longest.max()}", flush=True)
         for k, (last, longest) in enumerate(zip(run.last, run.longest)):  # the request that finished the pass
             for what, path in (("last", last), ("longest", longest)):  # and its longest
                 ran = path.finished_s - path.started_s

@@ -267,6 +267,18 @@ def test_the_result_names_the_request_that_finished_the_pass_and_when_it_started
     assert first.last.finished_s == first.makespan_s
 
 
+def test_the_trace_counts_the_running_requests_of_the_passs_longest_tenth():
+    # Two long requests among eighteen short ones (a tenth): FIFO with four at a time runs the short ones first.
+    short, long = [(16, 20)] * 18, [(16, 400)] * 2
+    kwargs = dict(kv_capacity_blocks=1000, block_size=16, max_num_seqs=4, token_budget=4096, step_time=MODEL,
+                  keep_trace=True)
+    late = [step[6] for step in simulate(short + long, make_policy({"name": "static", "b_max": 4}), **kwargs).trace]
+    early = [step[6] for step in simulate(long + short, make_policy({"name": "static", "b_max": 4}), **kwargs).trace]
+    assert max(late) == max(early) == 2
+    assert early[0] == 2 and late[0] == 0  # first at the first step, or only once the short ones have run
+    assert late.index(2) > 5 * 18 // 4
+
+
 def test_the_oracle_runs_short_requests_beside_a_long_one_and_never_delays_or_preempts_the_longest():
     # Longest first, as the oracle submits: two long requests whose peaks do not fit together, then short ones.
     # Without backfilling the short ones would wait behind the second long one until the first ended.

@@ -133,6 +133,8 @@ class SimResult:
     preemptions: int
     recomputed_tokens: int
     steps: int
+    # With keep_trace, per step: (clock, running, cap, KV share used, preemptions so far, waiting, running
+    # requests of the pass's longest tenth by true length).
     trace: list = field(default_factory=list)
     last: CriticalPath | None = None  # the request that finished the pass
     longest: CriticalPath | None = None  # the pass's longest request (the latest to finish of the longest)
@@ -217,6 +219,9 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
         arrive([queue[k] for k in feed(0.0, 0, 0, cap)])
     max_tokens_bound = nominal_max_tokens or max((r[1] for r in requests), default=0)
     trace = []
+    # The pass's longest tenth by true length: how many of them run at a step shows whether the critical path
+    # (the long class of a tail-bound pass) gets the cache or waits behind the rest.
+    longest_tenth = float(np.quantile([r.output_tokens for r in queue], 0.9)) if keep_trace and queue else 0.0
     # The pass's request table, as the adapter keeps it (rollout.policy.step columns): MAX_TOKENS is each request's
     # true length, shown to oracles only.
     table = np.array([(r.prompt_tokens, r.output_tokens, -1 if r.group is None else r.group,
@@ -362,7 +367,8 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
         if feed is not None and running:
             arrive([queue[k] for k in feed(clock, len(waiting), len(running), cap)])
         if keep_trace:
-            trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions, len(waiting)))
+            trace.append((clock, len(running), cap, 1 - free / kv_capacity_blocks, preemptions, len(waiting),
+                          sum(r.output_tokens >= longest_tenth for r in running)))
         yield clock
     def path(r: SimRequest | None) -> CriticalPath | None:
         return None if r is None else CriticalPath(r.output_tokens, r.started_s, r.finished_s, r.recomputed,
