@@ -282,7 +282,8 @@ def test_forecast_skips_the_request_pass_until_finishes_free_what_was_lacking(mo
         # Without backfilling (with it, any finish calls for a forecast while the head is blocked) and with the
         # margin unbounded, as the numbers below assume.
         policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
-                                             forecast_backfill=False, forecast_margin_cap=1.0))
+                                             forecast_backfill=False, forecast_margin_cap=1.0,
+                                             forecast_margin_cap_predicted=1.0))
         for n in (100, 120, 140):
             policy.observe_finished(16, n)
         assert forecast(policy, 4) == 4  # 480 tokens of cache, four requests heading for ~130 tokens each
@@ -332,7 +333,8 @@ def test_forecasts_that_the_estimates_move_called_for_and_admitted_nothing_wait_
 
     monkeypatch.setattr(forecast_module, "ESTIMATE_MOVE", 0.05)
     policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
-                                         forecast_backfill=False, forecast_margin_cap=1.0))
+                                         forecast_backfill=False, forecast_margin_cap=1.0,
+                                         forecast_margin_cap_predicted=1.0))
     for n in range(20):
         policy.observe_finished(16, 100 + n)
     assert policy.wants_requests(step(4)) and policy.batch_cap(step(4, described=True)) == 4
@@ -463,6 +465,26 @@ def test_the_forecast_reports_its_margin_as_the_safety_buffer():
     # a larger overflow allowance keeps less free
     loose = expected_demand_admissions(state, policy.lengths, 0.5, margin_cap=policy.margin_cap)
     assert loose.count >= admit and loose.margin_tokens < margin
+
+
+@pytest.mark.parametrize("predicted", [False, True])
+def test_the_margin_is_bounded_tighter_where_requests_carry_predicted_lengths(predicted):
+    # A wide spread and a small overflow allowance: theta standard deviations would keep more than the cache free.
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.001, b_max=64, forecast_after=8, forecast_margin_cap=0.2,
+                                         forecast_margin_cap_predicted=0.1))
+    rng = np.random.default_rng(3)
+    for n in rng.lognormal(np.log(100), 1.0, 200):
+        policy.observe_finished(16, int(n))
+    # Scale columns are shown only where the pass's requests carry their prompts' predicted lengths.
+    scales = dict(running_scale=np.ones(4), waiting_scale=np.ones(20)) if predicted else {}
+    state = StepState(num_running=4, num_waiting=20, kv_capacity_blocks=60, block_size=16,
+                      running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
+                      waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64), **scales)
+    policy.batch_cap(state)
+    unbounded = expected_demand_admissions(state, policy.lengths, policy.theta)
+    assert unbounded.margin_tokens > 60 * 16 and unbounded.count == 0
+    assert policy.last.margin_blocks == pytest.approx(60 * (0.1 if predicted else 0.2))
+    assert policy.last.admitted == (8 if predicted else 6)  # the room the tighter bound frees is admitted
 
 
 def test_the_weighted_censored_fit_is_scipys_maximum_likelihood():
@@ -612,9 +634,10 @@ def test_preemption_feedback_widens_the_margin_on_preemption_and_narrows_it_whil
 
     # The margin unbounded (forecast_margin_cap=1): the feedback scales theta, and a bound would hide it.
     fixed = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
-                                        forecast_margin_cap=1.0))
+                                        forecast_margin_cap=1.0, forecast_margin_cap_predicted=1.0))
     policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
-                                         forecast_margin_feedback=True, forecast_margin_cap=1.0))
+                                         forecast_margin_feedback=True, forecast_margin_cap=1.0,
+                                         forecast_margin_cap_predicted=1.0))
     for p in (fixed, policy):
         for n in (100, 120, 140):
             p.observe_finished(16, n)
@@ -639,7 +662,8 @@ def deterministic_policy(length: int = 200) -> ForecastPolicy:
     """Every length `length`; without backfilling (with it, any finish calls for a forecast while the head is
     blocked) and with the margin unbounded, as the tests' numbers assume."""
     policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, min_observations=2, forecast_after=2,
-                                         forecast_backfill=False, forecast_margin_cap=1.0))
+                                         forecast_backfill=False, forecast_margin_cap=1.0,
+                                         forecast_margin_cap_predicted=1.0))
     for _ in range(50):
         policy.observe_finished(16, length)
     return policy

@@ -147,7 +147,7 @@ def grpo_passes(siblings: bool, seed: int):
     # The margin unbounded and no backfilling: the estimate alone sets the admissions. With the defaults (the margin
     # at most a fifth of this small cache) both finish ~5% sooner, and sibling updates move the time by 0.3%.
     policy = make_policy({"name": "forecast", "b_max": 512, "eps_m": 0.05, "forecast_siblings": siblings,
-                          "forecast_margin_cap": 1.0, "forecast_backfill": False})
+                          "forecast_margin_cap": 1.0, "forecast_margin_cap_predicted": 1.0, "forecast_backfill": False})
     results = []
     for iteration in range(2):
         requests = [(len(r.prompt.token_ids), r.output_tokens, 1.0, r.group)

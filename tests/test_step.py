@@ -81,7 +81,8 @@ def test_a_policy_replayed_through_the_description_gives_the_recorded_caps(recor
     assert config["policy"] == "forecast"
     # The recording's settings: no backfilling, the margin unbounded.
     policy = make_policy(PolicyConfig(name="forecast", b_max=config["max_cap"], order="longest_first",
-                                      forecast_backfill=False, forecast_margin_cap=1.0))
+                                      forecast_backfill=False, forecast_margin_cap=1.0,
+                                      forecast_margin_cap_predicted=1.0))
     asks = 0
     for event in recorded["events"]:
         kind = event["kind"]

@@ -950,7 +950,9 @@ class ForecastPolicy(MemoryPolicy):
         # decides (the cold start with cold_start="memory", or nothing waiting).
         self.forecasting = False
         self.backfills = config.forecast_backfill
+        # The margin's bound, tighter where requests carry their prompts' predicted lengths (`_margin_cap`).
         self.margin_cap = config.forecast_margin_cap
+        self.margin_cap_predicted = config.forecast_margin_cap_predicted
         self.picks: list[int] = []  # queue positions the last cap counts past the blocked head (`backfill`)
 
     @property
@@ -1123,7 +1125,7 @@ class ForecastPolicy(MemoryPolicy):
         admission = expected_demand_admissions(state, self._estimate(state), theta, informed=informed,
                                                horizon_tokens=self._horizon(state),
                                                pointwise_running_peak=self.pointwise_running_peak,
-                                               backfill=self.backfills, margin_cap=self.margin_cap)
+                                               backfill=self.backfills, margin_cap=self._margin_cap(state))
         admit, picks, wave_wait = admission.count, list(admission.backfill), 0
         blocked = admit < len(state.waiting_tokens)
         if state.num_running and blocked and 0 < admit + len(picks) < self.min_wave * state.num_running:
@@ -1167,6 +1169,12 @@ class ForecastPolicy(MemoryPolicy):
         self.cap = clamp_cap(state.num_running + max(admit + len(picks), 0 if state.num_running else 1),
                              state.num_running, self.min_cap, self.max_cap)
         return self.cap
+
+    def _margin_cap(self, state: StepState) -> float:
+        """The margin's bound at this step: `margin_cap_predicted` where the pass's requests carry predicted length
+        scales (the state shows scale columns only then), else `margin_cap`."""
+        predicted = state.running_scale is not None or state.waiting_scale is not None
+        return self.margin_cap_predicted if predicted else self.margin_cap
 
     def backfill(self) -> list[int]:
         return self.picks
