@@ -86,7 +86,8 @@ class PolicyConfig:
         "Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).")})
     forecast_margin_cap: float = field(default=0.2, metadata={"help": (
         "The most of the KV cache the forecast keeps free against uncertainty, as a share of it, in (0, 1] (1: no "
-        "bound). The margin is theta standard deviations of the forecast demand, and a group's samples count as "
+        "bound), in a pass whose requests carry no predicted lengths (forecast_margin_cap_predicted where they do). "
+        "The margin is theta standard deviations of the forecast demand, and a group's samples count as "
         "moving together: where groups of long outputs run, it reaches a third to a half of the cache while a long "
         "queue waits (tail-bound in the simulator: 0.88x vLLM's default without the bound, 1.01x with it and "
         "backfilling). On the suite's other profiles the margin stays under it or moves them by under 1% "
