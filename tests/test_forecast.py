@@ -487,6 +487,29 @@ def test_the_margin_is_bounded_tighter_where_requests_carry_predicted_lengths(pr
     assert policy.last.admitted == (8 if predicted else 6)  # the room the tighter bound frees is admitted
 
 
+@pytest.mark.parametrize("horizon", [1000, 0])
+def test_past_the_cold_start_the_forecast_holds_demand_within_the_cache_for_its_horizon(horizon):
+    """Running requests forecast to outgrow the cache 4,000 tokens from now, and not within 1,000: looking 1,000
+    tokens ahead admits what fits until then (and exactly what the forecast cut there admits); looking to the
+    end (0) admits nothing."""
+    policy = ForecastPolicy(PolicyConfig(b_max=64, forecast_after=8, forecast_horizon_tokens=horizon))
+    rng = np.random.default_rng(5)
+    for n in rng.lognormal(np.log(4000), 0.05, 200):
+        policy.observe_finished(16, int(n))
+    state = StepState(num_running=4, num_waiting=10, kv_capacity_blocks=400, block_size=16,
+                      running_tokens=np.full(4, 116), running_generated=np.full(4, 100),
+                      waiting_tokens=np.full(10, 16), waiting_generated=np.zeros(10, dtype=np.int64))
+    assert expected_demand_admissions(state, policy.lengths, policy.theta).shortfall_tokens > 0  # the running alone
+    cap = policy.batch_cap(state)
+    if horizon:
+        near = expected_demand_admissions(state, policy.lengths, policy.theta, horizon_tokens=1000,
+                                          backfill=True, margin_cap=policy.margin_cap)
+        assert 0 < policy.last.admitted == near.count + len(near.backfill) < 10
+        assert cap == 4 + policy.last.admitted
+    else:
+        assert policy.last.admitted == 0 and cap == 4
+
+
 def test_the_weighted_censored_fit_is_scipys_maximum_likelihood():
     from scipy import stats
 

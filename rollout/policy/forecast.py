@@ -923,6 +923,10 @@ class ForecastPolicy(MemoryPolicy):
         # until `forecast_after_share` of the running requests have finished (at least `forecast_after`): the
         # first few to finish are a wave's shortest, and a fit to them alone admits a wave that preempts.
         self.cold_start_horizon = cold_start_horizon
+        # Past the cold start, demand is held within the cache for `horizon_tokens` output tokens ahead (0: to the
+        # longest predicted request's end): the forecast is run again at each finish, and the far future rests
+        # on the estimate's fitted tail.
+        self.horizon_tokens = config.forecast_horizon_tokens
         self.forecast_after_share = forecast_after_share
         # The running requests are held to the test admissions pass, at each future time (not their largest
         # demand plus their largest spread wherever each falls, a margin that keeps the cache emptier).
@@ -1022,11 +1026,11 @@ class ForecastPolicy(MemoryPolicy):
         return wanted - self.lengths.observed
 
     def _horizon(self, state: StepState) -> int:
-        """Output tokens the forecast looks ahead: all the way (0) once a request of this pass has finished;
-        before, while the prior stands in, a share of max_tokens. Not only the first step's forecast: requests
-        reach vLLM's engine over its first steps."""
+        """Output tokens the forecast looks ahead: `horizon_tokens` (0: all the way) once a request of this pass
+        has finished or the estimate rests on finished lengths; before, while the prior stands in, a share of
+        max_tokens. Not only the first step's forecast: requests reach vLLM's engine over its first steps."""
         if not self.cold_start_horizon or self.lengths.pass_count or self._missing(state) <= 0:
-            return 0
+            return self.horizon_tokens
         return max(int(self.cold_start_horizon * max(state.pending_max_tokens_mean, 1.0)), 1)
 
     def wants_requests(self, state: StepState) -> bool:
