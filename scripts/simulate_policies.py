@@ -15,8 +15,14 @@ per-step cost). For long-cot it is the closer model (docs/results.md).
 
 `--kv-bytes=N` (first argument, before `--h100`): another model shape's KV bytes per token (57344 for configs/models/qwen2.5-7b),
 which sets both the cache's tokens and the KV-read term.
+
+`--seeds=0,1,2` (first argument, before the others): each profile's workload drawn with each seed (the bench's
+`seed`), the schedulers run on each draw (two at a time), and per scheduler the ratio to the first one listed:
+geometric mean over the seeds with its range, each pass's mean ratio, and the mean recomputed share. One seed's
+draw can rank two close settings either way (docs/results.md, "tail-bound").
 """
 import dataclasses
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -34,6 +40,9 @@ H100_STEPS = FITS / "long-cot-h100-steps.jsonl.gz"
 KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B shape
 if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
     sys.exit(__doc__)
+SEEDS = None
+if sys.argv[1].startswith("--seeds="):
+    SEEDS = [int(seed) for seed in sys.argv.pop(1).split("=", 1)[1].split(",")]
 if sys.argv[1].startswith("--kv-bytes="):
     KV_BYTES_PER_TOKEN = int(sys.argv.pop(1).split("=", 1)[1])
 model, _ = fit_step_time(step_rows(STEPS), per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
@@ -43,6 +52,30 @@ if sys.argv[1] == "--h100":
     model = dataclasses.replace(h100, per_prefill_token=model.per_prefill_token, per_mixed_step=model.per_mixed_step)
 print(f"step time = {model}", flush=True)
 bench = load_bench_config(str(ROOT / "configs" / "bench" / "gpu.yaml"), sys.argv[2:])
+
+
+def simulate_seed(job: tuple) -> tuple:
+    """One scheduler on one profile's workload drawn with one seed: tok/s, per-pass tok/s, recomputed share."""
+    profile, name, seed = job
+    run = simulate_profile(dataclasses.replace(bench, seed=seed), profile, name, model,
+                           kv_capacity_tokens=profile.kv_cache_memory_bytes // KV_BYTES_PER_TOKEN)
+    return run.tokens_per_s, run.per_iteration_tokens_per_s, run.recomputed_tokens / run.generated_tokens
+
+
+if SEEDS is not None:
+    names = sys.argv[1].split(",")
+    with multiprocessing.Pool(2) as pool:
+        for profile in bench.profiles:
+            jobs = [(profile, name, seed) for seed in SEEDS for name in names]
+            runs = dict(zip([(name, seed) for _, name, seed in jobs], pool.map(simulate_seed, jobs)))
+            for name in names:
+                ratios = np.array([runs[name, seed][0] / runs[names[0], seed][0] for seed in SEEDS])
+                passes = np.mean([np.divide(runs[name, seed][1], runs[names[0], seed][1]) for seed in SEEDS], axis=0)
+                print(f"{profile.name:12s} {name:40s} vs {names[0]}: {np.exp(np.log(ratios).mean()):.3f}x "
+                      f"({ratios.min():.3f}-{ratios.max():.3f}) over seeds {SEEDS}; per pass "
+                      f"{' / '.join(f'{v:.3f}x' for v in passes)}; recomputed "
+                      f"{np.mean([runs[name, seed][2] for seed in SEEDS]):.1%}", flush=True)
+    sys.exit(0)
 for profile in bench.profiles:
     row = {}
     for name in sys.argv[1].split(","):

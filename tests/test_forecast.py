@@ -450,11 +450,16 @@ def test_prompt_memory_orders_and_scales_the_next_pass(tiny_model, tmp_path):
     assert memory.last == {key: [n, n] for key, n in zip(keys, lengths)}  # the scheduler's, in its state_dir
 
 
-def test_the_forecast_reports_its_margin_as_the_safety_buffer():
-    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, forecast_after=8))
-    rng = np.random.default_rng(3)
-    for n in rng.lognormal(np.log(100), 0.5, 200):
+def policy_with_lengths(config: PolicyConfig, median: float, sigma: float, seed: int) -> ForecastPolicy:
+    """A forecast policy that has seen 200 finished lengths, lognormal around `median` (prompts of 16 tokens)."""
+    policy = ForecastPolicy(config)
+    for n in np.random.default_rng(seed).lognormal(np.log(median), sigma, 200):
         policy.observe_finished(16, int(n))
+    return policy
+
+
+def test_the_forecast_reports_its_margin_as_the_safety_buffer():
+    policy = policy_with_lengths(PolicyConfig(eps_m=0.05, b_max=64, forecast_after=8), 100, 0.5, 3)
     state = StepState(num_running=4, num_waiting=20, kv_capacity_blocks=60, block_size=16,
                       running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
                       waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64))
@@ -470,11 +475,8 @@ def test_the_forecast_reports_its_margin_as_the_safety_buffer():
 @pytest.mark.parametrize("predicted", [False, True])
 def test_the_margin_is_bounded_tighter_where_requests_carry_predicted_lengths(predicted):
     # A wide spread and a small overflow allowance: theta standard deviations would keep more than the cache free.
-    policy = ForecastPolicy(PolicyConfig(eps_m=0.001, b_max=64, forecast_after=8, forecast_margin_cap=0.2,
-                                         forecast_margin_cap_predicted=0.1))
-    rng = np.random.default_rng(3)
-    for n in rng.lognormal(np.log(100), 1.0, 200):
-        policy.observe_finished(16, int(n))
+    policy = policy_with_lengths(PolicyConfig(eps_m=0.001, b_max=64, forecast_after=8, forecast_margin_cap=0.2,
+                                              forecast_margin_cap_predicted=0.1), 100, 1.0, 3)
     # Scale columns are shown only where the pass's requests carry their prompts' predicted lengths.
     scales = dict(running_scale=np.ones(4), waiting_scale=np.ones(20)) if predicted else {}
     state = StepState(num_running=4, num_waiting=20, kv_capacity_blocks=60, block_size=16,
@@ -492,10 +494,8 @@ def test_past_the_cold_start_the_forecast_holds_demand_within_the_cache_for_its_
     """Running requests forecast to outgrow the cache 4,000 tokens from now, and not within 1,000: looking 1,000
     tokens ahead admits what fits until then (and exactly what the forecast cut there admits); looking to the
     end (0) admits nothing."""
-    policy = ForecastPolicy(PolicyConfig(b_max=64, forecast_after=8, forecast_horizon_tokens=horizon))
-    rng = np.random.default_rng(5)
-    for n in rng.lognormal(np.log(4000), 0.05, 200):
-        policy.observe_finished(16, int(n))
+    config = PolicyConfig(b_max=64, forecast_after=8, forecast_horizon_tokens=horizon)
+    policy = policy_with_lengths(config, 4000, 0.05, 5)
     state = StepState(num_running=4, num_waiting=10, kv_capacity_blocks=400, block_size=16,
                       running_tokens=np.full(4, 116), running_generated=np.full(4, 100),
                       waiting_tokens=np.full(10, 16), waiting_generated=np.zeros(10, dtype=np.int64))

@@ -102,9 +102,9 @@ class PolicyConfig:
     forecast_margin_cap_predicted: float = field(default=0.1, metadata={"help": (
         "forecast_margin_cap for a pass whose requests carry predicted lengths (their prompts ran in an earlier pass, "
         "the per-prompt memory): the prompts' means are known then, and the groups' spread that the margin adds up "
-        "overstates what is left. On tail-bound (Qwen2.5-7B shape, 8 GiB, 96 prompts) in the simulator 1.034x "
-        "vLLM's default against 1.006x with the first pass's bound (recomputing 8.5% against 3.9%), grpo-groups "
-        "1.219x against 1.202x; the other profiles within 0.2% over two passes (docs/results.md).")})
+        "overstates what is left. Over three seeds in the simulator, against the first pass's bound (0.2): "
+        "tail-bound's variants 1.008-1.022x vLLM's default against 0.996-1.010x, grpo-groups 1.189x against 1.179x, "
+        "recomputing a little more (docs/results.md, \"tail-bound\").")})
     forecast_margin_feedback: bool = field(default=False, metadata={"help": (
         "Narrow the forecast's margin while nothing is preempted and admissions wait; widen it on preemption.")})
     forecast_backfill: bool = field(default=True, metadata={"help": (
