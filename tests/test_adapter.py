@@ -411,14 +411,18 @@ def test_a_preempted_requests_computed_tokens_are_counted_as_recomputed(build, t
     assert all(len(r.output_token_ids) == 40 for r in requests)
 
 
-@pytest.mark.parametrize("policy", ["static", "forecast"])
-def test_preemption_takes_the_request_that_computed_least_where_the_policy_orders_it(build, policy):
+@pytest.mark.parametrize("policy, least_progress", [("static", True), ("forecast", True), ("forecast", False)])
+def test_preemption_takes_the_request_that_computed_least_where_the_policy_orders_it(build, policy, least_progress):
     """Six requests of 16 prompt tokens and 300 output tokens, then one of 400 and 600, all admitted at once into
     80 usable blocks: the six alone outgrow the cache at 200 tokens each. vLLM preempts the last of its running
     list: by default the last admitted, the long one; the forecast (its cap forced to admit all) puts the
-    running requests that computed least last."""
-    scheduler = build({"name": policy, "b_max": 8}, num_blocks=81)
+    running requests that computed least last, unless policy.forecast_preempt_least_progress is off."""
+    settings = {"name": policy, "b_max": 8}
+    if policy == "forecast":
+        settings["forecast_preempt_least_progress"] = least_progress
+    scheduler = build(settings, num_blocks=81)
     spy_on(scheduler, answer=lambda state: 8)
+    policy = policy if least_progress else "static"  # what decides the order of preemption
     assert scheduler.batch_policy.orders_preemption == (policy == "forecast")
     requests = [request(f"s{i}", 16, 300) for i in range(6)] + [request("long", 400, 600)]
     run = Run(scheduler, requests)

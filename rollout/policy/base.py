@@ -115,8 +115,8 @@ class Policy(ABC):
     # Whether the policy admits past a blocked head (`backfill`); the StepState then carries the queue's tail.
     backfills: ClassVar[bool] = False
     # Whether the engine's preemptions take the running requests that have computed the least first
-    # (`rollout.policy.step.least_progress_last`), not the last admitted.
-    orders_preemption: ClassVar[bool] = False
+    # (`rollout.policy.step.least_progress_last`), not the last admitted; a policy may set it from its config.
+    orders_preemption: bool = False
 
     def __init__(self, config: PolicyConfig, stats: LengthStats | None = None, graph_batch: int = 0) -> None:
         self.config = config

@@ -907,7 +907,6 @@ class ForecastPolicy(MemoryPolicy):
 
     name = "forecast"
     needs_requests = True
-    orders_preemption = True
 
     def __init__(self, config, stats=None, graph_batch: int = 0) -> None:
         super().__init__(config, stats, graph_batch)
@@ -958,6 +957,7 @@ class ForecastPolicy(MemoryPolicy):
         self.margin_cap = config.forecast_margin_cap
         self.margin_cap_predicted = config.forecast_margin_cap_predicted
         self.picks: list[int] = []  # queue positions the last cap counts past the blocked head (`backfill`)
+        self.orders_preemption = config.forecast_preempt_least_progress
 
     @property
     def margin_feedback(self) -> bool:
