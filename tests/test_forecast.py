@@ -174,7 +174,7 @@ def test_the_first_wave_holds_each_request_for_a_share_of_max_tokens():
     wave = horizon.batch_cap(cold_state())
     # 16,000 tokens, each request 100 + 0.08 x 1,500 tokens and a partly used block at most, less the margin.
     assert 3 * whole.batch_cap(cold_state()) < wave <= 16_000 // (100 + 0.08 * 1500 + 15)
-    # Once a request of the pass has finished, the forecast looks all the way ahead again.
+    # Once a request of the pass has finished, both look forecast_horizon_tokens ahead.
     for policy in (horizon, whole):
         policy.observe_finished(100, 100)
     assert horizon.batch_cap(cold_state()) == whole.batch_cap(cold_state())

@@ -1026,11 +1026,14 @@ class ForecastPolicy(MemoryPolicy):
         return wanted - self.lengths.observed
 
     def _horizon(self, state: StepState) -> int:
-        """Output tokens the forecast looks ahead: `horizon_tokens` (0: all the way) once a request of this pass
+        """Output tokens the forecast looks ahead (0: all the way): `horizon_tokens` once a request of this pass
         has finished or the estimate rests on finished lengths; before, while the prior stands in, a share of
-        max_tokens. Not only the first step's forecast: requests reach vLLM's engine over its first steps."""
-        if not self.cold_start_horizon or self.lengths.pass_count or self._missing(state) <= 0:
+        max_tokens (`cold_start_horizon`; 0: the prior's whole future). Not only the first step's forecast:
+        requests reach vLLM's engine over its first steps."""
+        if self.lengths.pass_count or self._missing(state) <= 0:
             return self.horizon_tokens
+        if not self.cold_start_horizon:
+            return 0
         return max(int(self.cold_start_horizon * max(state.pending_max_tokens_mean, 1.0)), 1)
 
     def wants_requests(self, state: StepState) -> bool:
