@@ -58,6 +58,8 @@ _request_id = attrgetter("request_id")
 # A request's output so far: the length of its private token list (vLLM 0.26 and 0.32 both keep one behind the
 # num_output_tokens property; rollout.vllm_compat checks it) is read without a Python call per request.
 _output_list = attrgetter("_output_token_ids")
+# What each of rollout.policy.config.PREEMPTION_ORDERS but vLLM's own puts last in the running list.
+PROGRESS = {"least_output": attrgetter("num_output_tokens"), "least_computed": attrgetter("num_computed_tokens")}
 
 
 # The benchmarks impose each request's true length through max_tokens (with ignore_eos): they set this to the
@@ -461,9 +463,10 @@ class _DynamicBatchMixin:
         setattr(self, CAP_ATTR, self._cap)
         if self.drafts is not None:
             self._set_drafts()
-        if self.batch_policy.orders_preemption and preemption_possible(
+        order = self.batch_policy.preemption_order
+        if order != "vllm" and preemption_possible(
                 self._kv_free_blocks(), len(self.running), self.max_num_scheduled_tokens, self.block_size):
-            least_progress_last(self.running, attrgetter("num_computed_tokens"))
+            least_progress_last(self.running, PROGRESS[order])
         self._recomputed = 0
         step_start = time.monotonic()
         base_started = time.perf_counter()

@@ -411,19 +411,20 @@ def test_a_preempted_requests_computed_tokens_are_counted_as_recomputed(build, t
     assert all(len(r.output_token_ids) == 40 for r in requests)
 
 
-@pytest.mark.parametrize("policy, least_progress", [("static", True), ("forecast", True), ("forecast", False)])
-def test_preemption_takes_the_request_that_computed_least_where_the_policy_orders_it(build, policy, least_progress):
+@pytest.mark.parametrize("policy, order", [("static", None), ("forecast", "least_computed"),
+                                           ("forecast", "least_output"), ("forecast", "vllm")])
+def test_preemption_takes_the_request_that_computed_least_where_the_policy_orders_it(build, policy, order):
     """Six requests of 16 prompt tokens and 300 output tokens, then one of 400 and 600, all admitted at once into
     80 usable blocks: the six alone outgrow the cache at 200 tokens each. vLLM preempts the last of its running
-    list: by default the last admitted, the long one; the forecast (its cap forced to admit all) puts the
-    running requests that computed least last, unless policy.forecast_preempt_least_progress is off."""
+    list: by default the last admitted, the long one, as it does where the forecast orders by output (all
+    generated alike; of equals, the last admitted); with policy.forecast_preemption=least_computed the forecast
+    (its cap forced to admit all) puts the running requests that computed least last."""
     settings = {"name": policy, "b_max": 8}
-    if policy == "forecast":
-        settings["forecast_preempt_least_progress"] = least_progress
+    if order is not None:
+        settings["forecast_preemption"] = order
     scheduler = build(settings, num_blocks=81)
     spy_on(scheduler, answer=lambda state: 8)
-    orders = policy == "forecast" and least_progress
-    assert scheduler.batch_policy.orders_preemption == orders
+    assert scheduler.batch_policy.preemption_order == (order or "vllm")
     requests = [request(f"s{i}", 16, 300) for i in range(6)] + [request("long", 400, 600)]
     run = Run(scheduler, requests)
     assert len(run.step().num_scheduled_tokens) == 7  # all admitted at the first step
@@ -431,10 +432,29 @@ def test_preemption_takes_the_request_that_computed_least_where_the_policy_order
     long = requests[-1]
     assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in requests)
     assert sum(r.num_preemptions for r in requests) > 0
-    if orders:
+    if order == "least_computed":
         assert long.num_preemptions == 0  # shorter ones went instead
     else:
-        assert long.num_preemptions > 0  # vLLM's own order
+        assert long.num_preemptions > 0  # the last admitted
+
+
+@pytest.mark.parametrize("order", ["least_output", "vllm", "least_computed"])
+def test_the_longest_request_admitted_first_is_never_the_one_preempted(build, order):
+    """The critical path of a tail-bound pass: the longest request (16 prompt tokens, 900 output tokens), admitted
+    first as longest-first admission puts it, then six of 60 and 300, all at once into 80 usable blocks. Where the
+    cache runs out, the forecast's default (least output) takes the shorter ones, as vLLM's own order does; it
+    starts at the first step and never waits. Counting computed tokens instead takes the long one: its prompt is
+    the shortest."""
+    scheduler = build({"name": "forecast", "b_max": 8, "forecast_preemption": order}, num_blocks=81)
+    spy_on(scheduler, answer=lambda state: 8)
+    requests = [request("long", 16, 900)] + [request(f"s{i}", 60, 300) for i in range(6)]
+    run = Run(scheduler, requests)
+    assert len(run.step().num_scheduled_tokens) == 7  # all admitted at the first step
+    list(run.steps(3000))
+    long = requests[0]
+    assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in requests)
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert (long.num_preemptions == 0) == (order != "least_computed")
 
 
 # The scheduler on its own: no driver sends scales or probe groups (vllm serve, verl, OpenRLHF, TRL)

@@ -295,8 +295,8 @@ def test_the_oracle_runs_short_requests_beside_a_long_one_and_never_delays_or_pr
 def test_preemption_takes_the_request_that_computed_least_not_the_long_one_admitted_last():
     from rollout.policy.policies import StaticPolicy
 
-    class LeastProgressFirst(StaticPolicy):  # a static cap, preempting as the forecast and the oracle do
-        orders_preemption = True
+    class LeastProgressFirst(StaticPolicy):  # a static cap, preempting as the oracle does
+        preemption_order = "least_computed"
 
     # Six shorter requests, then a long one with a long prompt, all admitted at once: at 200 tokens each the
     # shorter ones alone hold 84 blocks of the 80-block cache.
@@ -311,6 +311,24 @@ def test_preemption_takes_the_request_that_computed_least_not_the_long_one_admit
     assert ours.preemptions > 0 and ours.longest.preemptions == 0
     assert ours.recomputed_tokens / ours.preemptions < fcfs.recomputed_tokens / fcfs.preemptions
     assert ours.makespan_s < fcfs.makespan_s
+
+
+@pytest.mark.parametrize("order", ["least_output", "vllm", "least_computed"])
+def test_the_longest_request_admitted_first_runs_through_unless_preemption_counts_computed_tokens(order):
+    from rollout.policy.policies import StaticPolicy
+
+    class Ordered(StaticPolicy):
+        preemption_order = order
+
+    # The longest request first (longest-first admission), with the shortest prompt, then six shorter ones with
+    # longer prompts, all admitted at once: at 100 tokens each the seven hold 83 blocks of the 80-block cache.
+    requests = [(16, 900)] + [(200, 300)] * 6
+    result = simulate(requests, Ordered(PolicyConfig(name="static", b_max=8)), kv_capacity_blocks=80,
+                      block_size=16, max_num_seqs=8, token_budget=4096, step_time=MODEL)
+    assert result.preemptions > 0 and result.longest.output_tokens == 900 and result.longest.started_s == 0.0
+    # The pass's end: by output or in vLLM's order the shorter ones go, and it runs through; by computed tokens
+    # it goes first (its prompt is the shortest) and waits.
+    assert (result.longest.preemptions == 0) == (order != "least_computed")
 
 
 def test_speculation_advances_a_decoding_request_by_its_accepted_drafts_and_costs_a_verify_step():

@@ -114,9 +114,9 @@ class Policy(ABC):
     benchmark_only: ClassVar[bool] = False
     # Whether the policy admits past a blocked head (`backfill`); the StepState then carries the queue's tail.
     backfills: ClassVar[bool] = False
-    # Whether the engine's preemptions take the running requests that have computed the least first
-    # (`rollout.policy.step.least_progress_last`), not the last admitted; a policy may set it from its config.
-    orders_preemption: bool = False
+    # Which running requests the engine preempts first (`rollout.policy.config.PREEMPTION_ORDERS`): vLLM's own order
+    # (the last admitted), or the least output or the least computed first; a policy may set it from its config.
+    preemption_order: str = "vllm"
 
     def __init__(self, config: PolicyConfig, stats: LengthStats | None = None, graph_batch: int = 0) -> None:
         self.config = config

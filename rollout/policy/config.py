@@ -11,6 +11,10 @@ from rollout.policy.length_stats import FORGETTING_MODES
 
 COLD_STARTS = ("gamma", "memory")
 ORDERS = ("longest_first", "fifo")
+# Which running requests vLLM preempts first (`Policy.preemption_order`): its own order (the last admitted), or
+# those that have generated the fewest output tokens, or computed the fewest tokens, prompt included
+# (`rollout.policy.step.least_progress_last` by that count).
+PREEMPTION_ORDERS = ("vllm", "least_output", "least_computed")
 
 
 class ConfigError(ValueError):
@@ -112,13 +116,17 @@ class PolicyConfig:
         "then the queue's end: the shortest-predicted, longest first) that fit beside it without taking the memory "
         "it is forecast to need once it fits (EASY backfilling). In the simulator it raises tail-bound by 4% and "
         "costs grpo-groups 0.9% and long-cot 0.6% (docs/results.md).")})
-    forecast_preempt_least_progress: bool = field(default=True, metadata={"help": (
-        "Where a step may run out of KV blocks, put the running requests that have computed the fewest tokens where "
-        "vLLM preempts first (false: vLLM's own order, the last admitted first, which after a preemption is the "
-        "request just resumed). Over three seeds in the simulator, false raises tail-bound's Qwen2.5-7B-shaped "
-        "96-prompt variant from 1.010x to 1.049x vLLM's default but leaves the suite's tail-bound at 1.017x "
-        "against 1.022x and real at 1.108x against 1.117x, recomputing more (docs/results.md, \"tail-bound\"): "
-        "not yet measured on a GPU.")})
+    forecast_preemption: str = field(default="least_output", metadata={"help": (
+        "Which running requests vLLM preempts first where a step may run out of KV blocks: least_output (those "
+        "that have generated the fewest tokens, of equals the last admitted), least_computed (the fewest tokens "
+        "computed, prompt included) or vllm (its own order: the last admitted, which after a preemption is the "
+        "request just resumed, recomputed and preempted again). Admitted longest first, the requests that have "
+        "generated the most are the pass's longest, its end: least_output never takes one while another has "
+        "generated less. On tail-bound's Qwen2.5-7B-shaped 96-prompt variant, one H200, seed 2, vLLM's order ran "
+        "at 1.103x vLLM's default (least_computed 1.031x, on another H200); over eight seeds in the simulator "
+        "least_output 1.040x, vllm 1.039x, least_computed 1.025x, the suite's tail-bound 1.026x, 1.025x, 1.025x, "
+        "recomputing 19-21% against 14-16%; the other profiles preempt too rarely to tell them apart "
+        "(docs/results.md, \"tail-bound\").")})
     forecast_siblings: bool = field(default=True, metadata={"help": (
         "Within a pass, a group's finished samples (and its running ones' output so far) move the length estimate of "
         "its other samples (GRPO's n samples of a prompt; no effect on groups of one).")})
@@ -197,6 +205,8 @@ class PolicyConfig:
         yield p.forecast_after >= 1, f"policy.forecast_after must be >= 1, got {p.forecast_after}"
         yield (0 <= p.forecast_carry_over <= 1,
                f"policy.forecast_carry_over must be in [0, 1], got {p.forecast_carry_over}")
+        yield (p.forecast_preemption in PREEMPTION_ORDERS,
+               f"policy.forecast_preemption must be one of {', '.join(PREEMPTION_ORDERS)}, got {p.forecast_preemption!r}")
         yield (p.forecast_cold_start in COLD_STARTS,
                f"policy.forecast_cold_start must be gamma or memory, got {p.forecast_cold_start!r}")
         yield (p.forecast_cold_start_shape > 0,

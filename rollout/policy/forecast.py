@@ -957,7 +957,7 @@ class ForecastPolicy(MemoryPolicy):
         self.margin_cap = config.forecast_margin_cap
         self.margin_cap_predicted = config.forecast_margin_cap_predicted
         self.picks: list[int] = []  # queue positions the last cap counts past the blocked head (`backfill`)
-        self.orders_preemption = config.forecast_preempt_least_progress
+        self.preemption_order = config.forecast_preemption
 
     @property
     def margin_feedback(self) -> bool:

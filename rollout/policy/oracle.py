@@ -106,7 +106,7 @@ class OraclePolicy(StaticPolicy):
     reads_true_lengths = True
     benchmark_only = True
     backfills = True
-    orders_preemption = True
+    preemption_order = "least_computed"
     admitted_last: int | None = None
 
     def __init__(self, config, stats=None, graph_batch: int = 0) -> None:

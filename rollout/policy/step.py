@@ -189,15 +189,14 @@ def preemption_possible(free_blocks: int, num_running: int, token_budget: int, b
     return free_blocks < num_running + -(-token_budget // block_size)
 
 
-def least_progress_last(running: list, computed: Callable[[Any], int]) -> None:
-    """Puts the PREEMPTION_CANDIDATES running requests that have computed the fewest tokens at the end of
-    `running` (in place), the fewest last (of equals, the later admitted), the others in their order. vLLM's FCFS
-    scheduler preempts from the end of its running list, so a preemption then throws away the least work; by
-    default it takes the last admitted, which after a preemption is the request just resumed, recomputed and
-    preempted again (a pass's longest requests, in a tail-bound pass)."""
+def least_progress_last(running: list, progress: Callable[[Any], int]) -> None:
+    """Puts the PREEMPTION_CANDIDATES running requests with the least `progress` (tokens generated, or computed)
+    at the end of `running` (in place), the least last (of equals, the later admitted), the others in their order.
+    vLLM's FCFS scheduler preempts from the end of its running list; by default it takes the last admitted, which
+    after a preemption is the request just resumed, recomputed and preempted again."""
     if len(running) < 2:
         return
-    low = heapq.nsmallest(PREEMPTION_CANDIDATES, range(len(running)), key=lambda i: (computed(running[i]), -i))
+    low = heapq.nsmallest(PREEMPTION_CANDIDATES, range(len(running)), key=lambda i: (progress(running[i]), -i))
     moved = set(low)
     running[:] = [r for i, r in enumerate(running) if i not in moved] + [running[i] for i in reversed(low)]
 

@@ -197,6 +197,8 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
 
     clock, steps, preemptions, recomputed, generated, finished = 0.0, 0, 0, 0, 0, 0
     gate, cap, step_budget = StepGate(), max_num_seqs, token_budget
+    progress = {"vllm": None, "least_output": lambda r: r.generated,
+                "least_computed": lambda r: r.computed}[policy.preemption_order]  # the adapter's PROGRESS
     spec_rng = None if speculation is None else np.random.default_rng(speculation.seed)
     pending_prompt = pending_max = 0  # over the requests that have reached the engine and not finished
 
@@ -270,8 +272,8 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
         budget, scheduled, preempted = step_budget, [], False
         drafting = speculation is not None and len(running) <= speculation.max_batch
         accepted: dict[int, int] = {}  # id(request) -> draft tokens it accepts this step
-        if policy.orders_preemption and preemption_possible(free, len(running), step_budget, block_size):
-            least_progress_last(running, lambda r: r.computed)
+        if progress is not None and preemption_possible(free, len(running), step_budget, block_size):
+            least_progress_last(running, progress)
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
