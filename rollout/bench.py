@@ -34,7 +34,7 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
     base = statistics.median(r["tokens_per_s"] for r in rows if r["scheduler"] == "vllm") if any(
         r["scheduler"] == "vllm" for r in rows) else None
     lines = [f"### {profile}", "",
-             "| scheduler | tok/s median (min-max) | vs vllm | makespan s | preemptions | recomputed % | "
+             "| scheduler | tok/s median (min-max) | vs vllm | makespan s | preemptions | recomputed % (net of cache hits) | "
              "mean running | KV use | drain tail | policy % of step (CPU; at finishes) | adapter % of step | "
              "tok/s per iteration |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -54,7 +54,7 @@ def table(results: list[dict], profile: str, schedulers: list[str]) -> str:
         lines.append(
             f"| {name} | {statistics.median(tps):.0f} ({min(tps):.0f}-{max(tps):.0f}) | {ratio} | "
             f"{med(runs, 'makespan_s', '{:.1f}')} | {med(runs, 'preemptions', '{:.0f}')} | "
-            f"{med(runs, 'recomputed_fraction', '{:.2f}', 100)} | "
+            f"{med(runs, 'recomputed_fraction', '{:.2f}', 100)} ({med(runs, 'recomputed_net_fraction', '{:.2f}', 100)}) | "
             f"{med(runs, 'mean_running', '{:.1f}')} | {med(runs, 'kv_usage_mean', '{:.2f}')} | "
             f"{med(runs, 'drain_tail_fraction', '{:.2f}')} | "
             f"{med(runs, 'policy_time_fraction', '{:.3f}', 100)} ({med(runs, 'policy_cpu_fraction', '{:.3f}', 100)}; "

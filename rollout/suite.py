@@ -222,7 +222,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
 
     cfg = bench_run_config(bench, profile, scheduler, model)
     requested = generated = 0
-    wall = preemptions = recomputed = 0.0
+    wall = preemptions = recomputed = recovered = 0.0
     per_pass = []  # tok/s of each iteration: later passes start from the lengths the earlier ones carried
     kv_capacity_tokens = None
     trace: list[dict] = []
@@ -244,6 +244,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
             per_pass.append(round(s["generated_tokens"] / s["wall_time_s"], 1))
             preemptions += s["preemptions"]
             recomputed += s.get("recomputed_tokens") or 0
+            recovered += s.get("recovered_tokens") or 0
             if result.trace:  # iterations laid end to end on one time axis
                 offset = trace[-1]["t"] if trace else 0.0
                 trace += [{**step, "t": step["t"] - result.trace[0]["t"] + offset} for step in result.trace]
@@ -261,6 +262,9 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         "started_at": round(started_at, 1), "ended_at": round(ended_at, 1), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "preemptions": int(preemptions), "recomputed_tokens": int(recomputed) if trace else None,
         "recomputed_fraction": round(recomputed / generated, 4) if trace else None,
+        # Net of the prefix cache: what the preempted requests computed again once resumed.
+        "recovered_tokens": int(recovered) if trace else None,
+        "recomputed_net_fraction": round((recomputed - recovered) / generated, 4) if trace else None,
         "mean_running": round(statistics.mean(s["running"] for s in trace), 1) if trace else None,
         "kv_usage_mean": round(statistics.mean(s["kv_usage"] for s in trace), 3) if trace else None,
         "drain_tail_fraction": drain_tail_fraction(trace),

@@ -35,6 +35,7 @@ class StepRecord(NamedTuple):
     scheduled_tokens: int
     finished: int  # requests finished since the engine started
     recomputed_tokens: int  # computed tokens thrown away by those preemptions
+    recovered_tokens: int  # of the tokens earlier preemptions threw away, those its resumed requests found cached
     policy_s: float  # wall time of the policy's answer (or of the check that skipped it)
     policy_cpu_s: float | None  # its CPU time (None: not timed)
     policy_skipped: bool
@@ -83,6 +84,8 @@ def record_dict(record: StepRecord, done: StepDone | None, t0: float) -> dict:
         "scheduled_tokens": record.scheduled_tokens, "finished": record.finished,
         "recomputed_tokens": record.recomputed_tokens, "policy_us": round(record.policy_s * 1e6, 1),
     }
+    if record.recovered_tokens:
+        out["recovered_tokens"] = record.recovered_tokens
     if record.policy_cpu_s is not None:
         out["policy_cpu_us"] = round(record.policy_cpu_s * 1e6, 1)
     if record.policy_skipped:

@@ -293,6 +293,9 @@ class _DynamicBatchMixin:
         self._finished = 0
         self._preempted = 0
         self._recomputed = 0  # computed tokens thrown away by this step's preemptions
+        # Preempted requests not resumed yet -> the tokens thrown away: vLLM keeps their blocks in its prefix cache
+        # until they are reused, and a resumed request computes again only what its prefix hit lacks.
+        self._thrown: dict[str, int] = {}
         self._cap = self.max_cap
         self._policy_fields: dict = {}  # the policy's trace fields as it last answered
         # Finishes the policy has not been told of yet, (prompt tokens, output tokens, scale, group, row): told at
@@ -473,6 +476,7 @@ class _DynamicBatchMixin:
         self.timer.add_adapter(base_started - started)
         output = super().schedule(*args, **kwargs)
         base_ended = time.perf_counter()
+        recovered = self._recovered(output.num_scheduled_tokens) if self._thrown else 0
         self._step += 1
         record = None
         if num_running or num_waiting:
@@ -482,7 +486,7 @@ class _DynamicBatchMixin:
             record = StepRecord(
                 self._step, step_start, self._cap, running_after, waiting_after, self.kv_cache_manager.usage,
                 len(getattr(output, "preempted_req_ids", None) or ()), output.total_num_scheduled_tokens,
-                self._finished, self._recomputed, policy_s, policy_cpu_s, skipped, describe_cpu_us,
+                self._finished, self._recomputed, recovered, policy_s, policy_cpu_s, skipped, describe_cpu_us,
                 None if budget is None else self.max_num_scheduled_tokens, self.pass_state.scaled,
                 self._policy_fields)
         for lost in self.timer.scheduled(output, step_start, record):
@@ -561,8 +565,23 @@ class _DynamicBatchMixin:
         queue.clear()
         queue.extend(reordered)
 
+    def _recovered(self, scheduled: dict) -> int:
+        """Of the tokens that preemptions threw away, those the requests resumed by this step found in the prefix
+        cache: after schedule() a resumed request's computed tokens are its prefix hit plus what it was
+        scheduled."""
+        recovered = 0
+        for request_id in self._thrown.keys() & scheduled.keys():
+            thrown = self._thrown.pop(request_id)
+            request = self.requests.get(request_id)
+            if request is not None:
+                recovered += min(max(request.num_computed_tokens - scheduled[request_id], 0), thrown)
+        if len(self._thrown) > 2 * len(self.requests) + 64:  # aborted while preempted: never resumed
+            self._thrown = {k: v for k, v in self._thrown.items() if k in self.requests}
+        return recovered
+
     def _preempt_request(self, request, *args, **kwargs):
         self._recomputed += request.num_computed_tokens  # this step's work thrown away, to be prefilled again
+        self._thrown[request.request_id] = request.num_computed_tokens
         self._preempted += 1
         self.batch_policy.observe_preempted(request.num_computed_tokens)
         return super()._preempt_request(request, *args, **kwargs)

@@ -61,7 +61,7 @@ def build(model_dir, tmp_path):
 
 def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 512, cls=DynamicBatchScheduler, settings: dict | None = None,
-                   async_scheduling: bool = False):
+                   async_scheduling: bool = False, prefix_caching: bool = False):
     """`cls` over `num_blocks` KV blocks (one of them vLLM's null block), configured as our driver configures it,
     or with `settings` as additional_config["rollout"] (as a user of vllm serve or an RL stack writes it)."""
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
@@ -69,7 +69,7 @@ def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64,
         model_config=model,
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=prefix_caching),
         additional_config=({SETTINGS_KEY: settings} if settings is not None
                            else adapter_settings(policy, str(trace_path), None, None, None)))
     config.cache_config.num_gpu_blocks = num_blocks
@@ -83,11 +83,12 @@ def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64,
     return scheduler
 
 
-def request(name: str, prompt_tokens: int, max_tokens: int, **extra_args) -> Request:
-    """A request whose prompt is its own (no two names share one, so the scheduler probes none)."""
+def request(name: str, prompt_tokens: int, max_tokens: int, block_hasher=None, **extra_args) -> Request:
+    """A request whose prompt is its own (no two names share one, so the scheduler probes none). `block_hasher`:
+    vLLM's, for the prefix cache to find its blocks."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args or None)
     return Request(request_id=name, prompt_token_ids=[1 + zlib.crc32(name.encode()) % 1000] * prompt_tokens,
-                   sampling_params=params, pooling_params=None)
+                   sampling_params=params, pooling_params=None, block_hasher=block_hasher)
 
 
 class Spy:
@@ -409,6 +410,34 @@ def test_a_preempted_requests_computed_tokens_are_counted_as_recomputed(build, t
     assert min(tokens for x in lost for tokens in x) >= 30  # a preempted request had its prompt computed
     assert sorted(spy.preempted_tokens) == sorted(tokens for x in lost for tokens in x)  # the policy was told
     assert all(len(r.output_token_ids) == 40 for r in requests)
+
+
+def test_a_resumed_request_computes_again_only_what_the_prefix_cache_lacks(build, tmp_path):
+    """As above with vLLM's prefix caching on: a preempted request's blocks stay in the cache until they are
+    reused, and once resumed it is scheduled only the tokens its prefix hit lacks. The trace counts what it found
+    there as recovered, out of what the preemptions threw away."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    scheduler = build({"name": "static", "b_max": 8}, num_blocks=8, prefix_caching=True)
+    requests = [request(f"r{i}", 30, 40, block_hasher=hasher) for i in range(3)]
+    run = Run(scheduler, requests)
+    preempted, hits = set(), []
+    tokens = {r.request_id: r.num_tokens for r in requests}
+    for output in run.steps():
+        for request_id in preempted & output.num_scheduled_tokens.keys():  # resumed: all it lacks, in one step
+            hits.append(tokens[request_id] - output.num_scheduled_tokens[request_id])
+            preempted.discard(request_id)
+        preempted |= set(output.preempted_req_ids or ())
+        tokens = {r.request_id: r.num_tokens for r in requests}
+    steps = trace_steps(tmp_path / "trace.jsonl")
+    recomputed = sum(s["recomputed_tokens"] for s in steps)
+    recovered = sum(s.get("recovered_tokens", 0) for s in steps)
+    assert sum(r.num_preemptions for r in requests) >= 1 and all(len(r.output_token_ids) == 40 for r in requests)
+    assert recovered == sum(hits) > 0
+    assert recovered < recomputed
 
 
 @pytest.mark.parametrize("policy, order", [("static", None), ("forecast", "least_computed"),

@@ -146,10 +146,10 @@ def test_memory_cold_start_stays_algorithm_1_until_a_share_of_the_running_have_f
 
 
 def test_gamma_cold_start_forecasts_with_a_prior_of_the_max_tokens_mean():
-    # The prior over the whole future (no first-wave horizon, see the next test)
+    # The prior over the whole future (no first-wave horizon, see the next test), its margin unbounded
     def policy_of(shape: float) -> ForecastPolicy:
         return make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0,
-                            "forecast_cold_start_shape": shape})
+                            "forecast_cold_start_shape": shape, "forecast_margin_cap": 1.0})
 
     policy, state = policy_of(3.0), cold_state()
     prior = policy._estimate(state)
@@ -169,8 +169,10 @@ def test_gamma_cold_start_forecasts_with_a_prior_of_the_max_tokens_mean():
 
 
 def test_the_first_wave_holds_each_request_for_a_share_of_max_tokens():
-    horizon = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05})  # the default: 0.08 of max_tokens
-    whole = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0})
+    # The default first wave, 0.08 of max_tokens, against the prior's whole future; margins unbounded.
+    horizon = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_margin_cap": 1.0})
+    whole = make_policy({"name": "forecast", "b_max": 256, "eps_m": 0.05, "forecast_cold_start_horizon": 0,
+                         "forecast_margin_cap": 1.0})
     wave = horizon.batch_cap(cold_state())
     # 16,000 tokens, each request 100 + 0.08 x 1,500 tokens and a partly used block at most, less the margin.
     assert 3 * whole.batch_cap(cold_state()) < wave <= 16_000 // (100 + 0.08 * 1500 + 15)
@@ -879,7 +881,8 @@ def test_the_margin_kept_free_is_at_most_its_share_of_the_cache():
     assert expected_demand_admissions(state, lengths, 0.1, margin_cap=0.2) == \
         expected_demand_admissions(state, lengths, 0.1)
     # The policy bounds it by its setting.
-    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=256, forecast_after=8, forecast_backfill=False))
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=256, forecast_after=8, forecast_backfill=False,
+                                         forecast_margin_cap=0.2))
     policy.lengths = lengths
     policy.batch_cap(state)
     assert policy.last.admitted == bounded.count

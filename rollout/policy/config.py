@@ -95,20 +95,21 @@ class PolicyConfig:
         "in waves, and fewer steps leave the decode-only CUDA graph for prompt tokens.")})
     forecast_tail_confidence: float = field(default=1.5, metadata={"help": (
         "Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).")})
-    forecast_margin_cap: float = field(default=0.2, metadata={"help": (
+    forecast_margin_cap: float = field(default=0.1, metadata={"help": (
         "The most of the KV cache the forecast keeps free against uncertainty, as a share of it, in (0, 1] (1: no "
         "bound), in a pass whose requests carry no predicted lengths (forecast_margin_cap_predicted where they do). "
         "The margin is theta standard deviations of the forecast demand, and a group's samples count as "
         "moving together: where groups of long outputs run, it reaches a third to a half of the cache while a long "
-        "queue waits (tail-bound in the simulator: 0.88x vLLM's default without the bound, 1.01x with it and "
-        "backfilling). On the suite's other profiles the margin stays under it or moves them by under 1% "
-        "(docs/results.md).")})
+        "queue waits. Since the forecast preempts the requests that have generated the least (forecast_preemption), "
+        "what outgrows a tighter margin costs the pass's end less: over eight seeds in the simulator 0.1 against "
+        "0.2 gives tail-bound's variants 1.018-1.045x vLLM's default against 1.004-1.040x (recomputing 21-28% "
+        "against 19-24%), real 1.131x against 1.113x, grpo-groups 1.204x against 1.198x (seeds 0-1), kv-bound, "
+        "cap-bound and long-cot unchanged; not yet measured on a GPU (docs/results.md, \"tail-bound\").")})
     forecast_margin_cap_predicted: float = field(default=0.1, metadata={"help": (
         "forecast_margin_cap for a pass whose requests carry predicted lengths (their prompts ran in an earlier pass, "
         "the per-prompt memory): the prompts' means are known then, and the groups' spread that the margin adds up "
-        "overstates what is left. Over three seeds in the simulator, against the first pass's bound (0.2): "
-        "tail-bound's variants 1.008-1.022x vLLM's default against 0.996-1.010x, grpo-groups 1.189x against 1.179x, "
-        "recomputing a little more (docs/results.md, \"tail-bound\").")})
+        "overstates what is left. Below 0.1 it gains on one tail-bound variant and loses on another, recomputing "
+        "more (docs/results.md, \"tail-bound\").")})
     forecast_margin_feedback: bool = field(default=False, metadata={"help": (
         "Narrow the forecast's margin while nothing is preempted and admissions wait; widen it on preemption.")})
     forecast_backfill: bool = field(default=True, metadata={"help": (
