@@ -407,6 +407,7 @@ class _DynamicBatchMixin:
             self.pass_state.sibling_order.observe(probed, request.num_output_tokens)
         row, group = self.pass_state.finish(request, nominal_max_tokens(request))
         key = self._prompt_keys.pop(request.request_id, None)
+        self._thrown.pop(request.request_id, None)  # aborted while preempted: it never resumes
         if self.drafts is not None:
             key = key or prompt_key(request.prompt_token_ids)
             if request.num_output_tokens:
@@ -571,12 +572,8 @@ class _DynamicBatchMixin:
         scheduled."""
         recovered = 0
         for request_id in self._thrown.keys() & scheduled.keys():
-            thrown = self._thrown.pop(request_id)
-            request = self.requests.get(request_id)
-            if request is not None:
-                recovered += min(max(request.num_computed_tokens - scheduled[request_id], 0), thrown)
-        if len(self._thrown) > 2 * len(self.requests) + 64:  # aborted while preempted: never resumed
-            self._thrown = {k: v for k, v in self._thrown.items() if k in self.requests}
+            hit = self.requests[request_id].num_computed_tokens - scheduled[request_id]
+            recovered += min(max(hit, 0), self._thrown.pop(request_id))
         return recovered
 
     def _preempt_request(self, request, *args, **kwargs):

@@ -321,7 +321,7 @@ def test_the_longest_request_admitted_first_runs_through_unless_preemption_count
         preemption_order = order
 
     # The longest request first (longest-first admission), with the shortest prompt, then six shorter ones with
-    # longer prompts, all admitted at once: at 100 tokens each the seven hold 83 blocks of the 80-block cache.
+    # longer prompts, all admitted at once: their prompts take 79 of the 80 blocks, outgrown within 9 tokens.
     requests = [(16, 900)] + [(200, 300)] * 6
     result = simulate(requests, Ordered(PolicyConfig(name="static", b_max=8)), kv_capacity_blocks=80,
                       block_size=16, max_num_seqs=8, token_budget=4096, step_time=MODEL)
