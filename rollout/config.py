@@ -91,6 +91,11 @@ class ModelConfig:
         "The token budget of a step; null: vLLM's default. Prompts longer than it need chunked prefill.")})
     enable_prefix_caching: bool = field(default=True, metadata={"help": (
         "Reuse the KV cache of shared prompt prefixes (a prompt's n samples share their prompt).")})
+    kv_offloading_gib: Optional[float] = field(default=None, metadata={"help": (
+        "GiB of host memory for vLLM's native KV offloading (its OffloadingConnector, what kv_offloading_size "
+        "sets up, here storing generated tokens as well as prompts): each full KV block is also written to host "
+        "memory, and a preempted request, when it resumes, loads what it had computed from there instead of "
+        "computing it again; null: off. GPU only.")})
     engine_kwargs: dict = field(default_factory=dict, metadata={"help": (
         "Extra keyword arguments for vllm.LLM (e.g. compilation_config on GPU); they win over the settings "
         "above.")})
@@ -259,6 +264,8 @@ def validate(cfg: RunConfig) -> None:
     need(m.max_model_len >= 2, f"model.max_model_len must be >= 2, got {m.max_model_len}")
     need(m.kv_cache_memory_bytes is None or m.kv_cache_memory_bytes > 0,
          f"model.kv_cache_memory_bytes must be > 0, got {m.kv_cache_memory_bytes}")
+    need(m.kv_offloading_gib is None or m.kv_offloading_gib > 0,
+         f"model.kv_offloading_gib must be > 0 (null: off), got {m.kv_offloading_gib}")
     need(m.num_gpu_blocks_override is None or m.num_gpu_blocks_override >= 2,
          f"model.num_gpu_blocks_override must be >= 2, got {m.num_gpu_blocks_override}")
     need(s.n >= 1, f"sampling.n must be >= 1, got {s.n}")

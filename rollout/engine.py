@@ -161,6 +161,19 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)
+    if m.kv_offloading_gib is not None:
+        if current_platform.is_cpu():
+            raise ConfigError(f"model.kv_offloading_gib={m.kv_offloading_gib}: vLLM's KV offloading copies blocks "
+                              "between a GPU and host memory, and this engine runs on the CPU: set it to null")
+        from vllm.config import KVTransferConfig
+
+        # vLLM's native offloading (what its kv_offloading_size sets up), with generated tokens stored too: by
+        # default it stores prompts only, for prefix reuse across requests, and a preempted request would compute
+        # its output again.
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": int(m.kv_offloading_gib * 2 ** 30),
+                                       "offload_prompt_only": False})
     if not has_tokenizer(model_path):  # a config-only shape (dummy weights): prompts come as token ids
         kwargs["skip_tokenizer_init"] = True
     kwargs.update(m.engine_kwargs)

@@ -91,6 +91,9 @@ class BenchConfig:
     # vLLM keeps a preempted request's blocks in its prefix cache until they are reused: off, every preemption
     # recomputes in full (what the simulator assumes).
     prefix_caching: bool = True
+    # GiB of host memory for vLLM's KV offloading in every scheduler's engine (model.kv_offloading_gib): a
+    # preempted request loads its computed tokens back instead of recomputing them. None: off. GPU only.
+    kv_offloading_gib: Optional[float] = None
     reps: int = 3
     seed: int = 0
     vocab_size: int = 1000
@@ -169,7 +172,7 @@ def bench_run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str,
     max_len = bench.max_model_len or (max_prompt_tokens(profile) + profile.max_output + 16)
     model_cfg = {"path": model, "max_model_len": max_len, "dtype": bench.dtype if bench.gpu else "float32",
                  "enforce_eager": not bench.gpu, "engine_kwargs": GPU_ENGINE if bench.gpu else {},
-                 "enable_prefix_caching": bench.prefix_caching}
+                 "enable_prefix_caching": bench.prefix_caching, "kv_offloading_gib": bench.kv_offloading_gib}
     for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
         if getattr(profile, key) is not None:
             model_cfg[key] = getattr(profile, key)

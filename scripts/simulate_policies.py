@@ -18,7 +18,8 @@ which sets both the cache's tokens and the KV-read term.
 
 `--seeds=0,1,2` (first argument, before the others): each profile's workload drawn with each seed (the bench's
 `seed`), the schedulers run on each draw (two at a time), and per scheduler the ratio to the first one listed:
-geometric mean over the seeds with its range, each pass's mean ratio, and the mean recomputed share. One seed's
+geometric mean over the seeds with its range, each pass's mean ratio, and the mean recomputed share (net: less what
+resumed requests found in the prefix cache or, with `kv_offloading_gib=N`, in host memory). One seed's
 draw can rank two close settings either way (docs/results.md, "tail-bound").
 """
 import dataclasses
@@ -55,11 +56,13 @@ bench = load_bench_config(str(ROOT / "configs" / "bench" / "gpu.yaml"), sys.argv
 
 
 def simulate_seed(job: tuple) -> tuple:
-    """One scheduler on one profile's workload drawn with one seed: tok/s, per-pass tok/s, recomputed share."""
+    """One scheduler on one profile's workload drawn with one seed: tok/s, per-pass tok/s, recomputed share, and
+    that share net of what resumed requests found in the prefix cache or host memory."""
     profile, name, seed = job
     run = simulate_profile(dataclasses.replace(bench, seed=seed), profile, name, model,
                            kv_capacity_tokens=profile.kv_cache_memory_bytes // KV_BYTES_PER_TOKEN)
-    return run.tokens_per_s, run.per_iteration_tokens_per_s, run.recomputed_tokens / run.generated_tokens
+    return (run.tokens_per_s, run.per_iteration_tokens_per_s, run.recomputed_tokens / run.generated_tokens,
+            (run.recomputed_tokens - run.recovered_tokens) / run.generated_tokens)
 
 
 if SEEDS is not None:
@@ -74,7 +77,8 @@ if SEEDS is not None:
                 print(f"{profile.name:12s} {name:40s} vs {names[0]}: {np.exp(np.log(ratios).mean()):.3f}x "
                       f"({ratios.min():.3f}-{ratios.max():.3f}) over seeds {SEEDS}; per pass "
                       f"{' / '.join(f'{v:.3f}x' for v in passes)}; recomputed "
-                      f"{np.mean([runs[name, seed][2] for seed in SEEDS]):.1%}", flush=True)
+                      f"{np.mean([runs[name, seed][2] for seed in SEEDS]):.1%} "
+                      f"(net {np.mean([runs[name, seed][3] for seed in SEEDS]):.1%})", flush=True)
     sys.exit(0)
 for profile in bench.profiles:
     row = {}
@@ -84,7 +88,8 @@ for profile in bench.profiles:
                                kv_capacity_tokens=profile.kv_cache_memory_bytes // KV_BYTES_PER_TOKEN, keep_trace=True)
         row[name] = run.tokens_per_s
         print(f"{profile.name:12s} {name:12s} {run.tokens_per_s:8.0f} tok/s  preemptions {run.preemptions:5d}  "
-              f"recomputed {run.recomputed_tokens / run.generated_tokens:.2%}  per iteration "
+              f"recomputed {run.recomputed_tokens / run.generated_tokens:.2%} "
+              f"(net {(run.recomputed_tokens - run.recovered_tokens) / run.generated_tokens:.2%})  per iteration "
               f"{'/'.join(f'{v:.0f}' for v in run.per_iteration_tokens_per_s)}  ({time.time() - t0:.1f} s to simulate)",
               flush=True)
         for k, trace in enumerate(run.traces):  # how full the cache is kept while requests wait, and how many run

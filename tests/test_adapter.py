@@ -15,11 +15,11 @@ from collections import deque
 import pytest
 import torch
 import vllm
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -61,15 +61,20 @@ def build(model_dir, tmp_path):
 
 def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 512, cls=DynamicBatchScheduler, settings: dict | None = None,
-                   async_scheduling: bool = False, prefix_caching: bool = False):
+                   async_scheduling: bool = False, prefix_caching: bool = False, host_offload_bytes: int | None = None):
     """`cls` over `num_blocks` KV blocks (one of them vLLM's null block), configured as our driver configures it,
-    or with `settings` as additional_config["rollout"] (as a user of vllm serve or an RL stack writes it)."""
+    or with `settings` as additional_config["rollout"] (as a user of vllm serve or an RL stack writes it).
+    `host_offload_bytes`: vLLM's native KV offloading to that much host memory (model.kv_offloading_gib), its
+    scheduler side (the copies are the worker's: `Run(transfers=True)` reports them done)."""
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=prefix_caching),
+        kv_transfer_config=None if host_offload_bytes is None else KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": host_offload_bytes, "offload_prompt_only": False}),
         additional_config=({SETTINGS_KEY: settings} if settings is not None
                            else adapter_settings(policy, str(trace_path), None, None, None)))
     config.cache_config.num_gpu_blocks = num_blocks
@@ -131,12 +136,15 @@ def spy_on(scheduler, **options) -> Spy:
 
 class Run:
     """Drives a scheduler as the engine core does: schedule(), the model's output, update_from_output(); with
-    `overlap` (async scheduling), the next step is scheduled before the last one's output arrives."""
+    `overlap` (async scheduling), the next step is scheduled before the last one's output arrives. `transfers`:
+    the scheduler offloads KV blocks to host memory (make_scheduler's host_offload_bytes), and the worker's
+    copies, stores and loads, finish within the step that asks for them."""
 
-    def __init__(self, scheduler, requests, overlap: bool = False) -> None:
+    def __init__(self, scheduler, requests, overlap: bool = False, transfers: bool = False) -> None:
         self.scheduler = scheduler
         self.requests = {r.request_id: r for r in requests}
         self.overlap = overlap
+        self.transfers = transfers
         self.in_flight: deque = deque()  # (scheduler output, model output) not yet given back
         self.finished = 0
         self.preempted = 0  # requests preempted so far
@@ -154,8 +162,18 @@ class Run:
         ids = list(output.num_scheduled_tokens)
         # A request samples a token once its prompt is computed.
         sampled = [[] if self.requests[i].is_prefill_chunk else [TOKEN] for i in ids]
+        transferred = None
+        if self.transfers:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+            meta = output.kv_connector_metadata
+            jobs = {**meta.store_jobs, **meta.load_jobs}
+            transferred = KVConnectorOutput(
+                finished_recving={job.req_id for job in meta.load_jobs.values()} or None,
+                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(jobs, 1)))
         self.in_flight.append((output, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)}, sampled_token_ids=sampled)))
+            req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)}, sampled_token_ids=sampled,
+            kv_connector_output=transferred)))
         while self.in_flight and (len(self.in_flight) > 1 or not self.overlap or not ids):
             outputs = self.scheduler.update_from_output(*self.in_flight.popleft())
             self.finished += sum(o.finish_reason is not None for engine in outputs.values() for o in engine.outputs)
@@ -438,6 +456,36 @@ def test_a_resumed_request_computes_again_only_what_the_prefix_cache_lacks(build
     assert sum(r.num_preemptions for r in requests) >= 1 and all(len(r.output_token_ids) == 40 for r in requests)
     assert recovered == sum(hits) > 0
     assert recovered < recomputed
+
+
+def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(build, tmp_path):
+    """With vLLM's KV offloading (model.kv_offloading_gib) every full block is also written to host memory, and a
+    preempted request, once resumed, loads its full blocks from there: it computes again only its last, partial
+    block, and the trace counts the rest as recovered. Three requests outgrow 7 usable blocks; the prefix cache
+    is on (the offload finds blocks by their hashes) but keeps too little to matter."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    scheduler = build({"name": "static", "b_max": 8}, num_blocks=8, prefix_caching=True, host_offload_bytes=1 << 24)
+    requests = [request(f"r{i}", 30, 40, block_hasher=hasher) for i in range(3)]
+    run = Run(scheduler, requests, transfers=True)
+    preempted, computed_again, thrown = set(), [], {}
+    for output in run.steps():
+        for request_id in preempted & output.num_scheduled_tokens.keys():  # resumed, its blocks loaded
+            computed_again.append(output.num_scheduled_tokens[request_id])
+            preempted.discard(request_id)
+        for request_id in output.preempted_req_ids or ():
+            preempted.add(request_id)
+            thrown[request_id] = thrown.get(request_id, 0) + 1
+    steps = trace_steps(tmp_path / "trace.jsonl")
+    recomputed = sum(s["recomputed_tokens"] for s in steps)
+    recovered = sum(s.get("recovered_tokens", 0) for s in steps)
+    assert all(len(r.output_token_ids) == 40 for r in requests)
+    assert sum(thrown.values()) >= 2 and len(computed_again) == sum(thrown.values())
+    assert all(n <= BLOCK for n in computed_again)  # the partial block (with the token it has not computed)
+    assert recomputed - recovered <= sum(computed_again) and recovered > 0
 
 
 @pytest.mark.parametrize("policy, order", [("static", None), ("forecast", "least_computed"),

@@ -187,3 +187,24 @@ def test_vllm_log_level_yields_to_the_users_environment(monkeypatch):
         assert vllm_logger.level == logging.DEBUG
     finally:
         vllm_logger.setLevel(before)
+
+
+def test_kv_offloading_stores_generated_tokens_and_is_refused_on_the_cpu(tiny_model, tmp_path, monkeypatch):
+    """model.kv_offloading_gib sets up vLLM's OffloadingConnector storing outputs as well as prompts (its default
+    stores prompts only, and a preempted request would compute its output again); vLLM's CPU platform has no
+    offloading, so there it is refused before an engine starts."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from rollout.engine import engine_kwargs
+
+    with pytest.raises(ConfigError, match="model.kv_offloading_gib must be > 0"):
+        load_config(["model.path=/models/mine", "data.source=my.jsonl", "model.kv_offloading_gib=0"])
+    cfg = load_config([f"model.path={tiny_model}", "data.source=my.jsonl", "model.kv_offloading_gib=1.5"])
+    with pytest.raises(ConfigError, match="this engine runs on the CPU"):
+        engine_kwargs(cfg, str(tiny_model), tmp_path / "t", None, tmp_path / "s")
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)  # what a GPU engine is given
+    kwargs = engine_kwargs(cfg, str(tiny_model), tmp_path / "t", None, tmp_path / "s")
+    transfer = EngineArgs(**kwargs).kv_transfer_config
+    assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
+    assert transfer.kv_connector_extra_config == {"cpu_bytes_to_use": 3 << 29, "offload_prompt_only": False}

@@ -42,6 +42,24 @@ def test_tight_cache_preempts_and_ample_cache_does_not():
     assert ample.makespan_s < tight.makespan_s
 
 
+def test_kv_offloading_loads_a_preempted_requests_full_blocks_back_while_host_memory_holds_them():
+    """With vLLM's KV offloading a resumed request loads its full blocks from host memory and computes again only
+    its last partial block (recovered: all the rest), in less time than recomputing; where host memory keeps less
+    than was written since the preemption, its blocks are gone and it computes everything again."""
+    from rollout.sim.engine import HostOffload
+
+    kwargs = dict(kv_capacity_blocks=300, block_size=16, max_num_seqs=256, token_budget=4096, step_time=MODEL)
+    static = {"name": "static", "b_max": 256}
+    requests = workload()
+    plain = simulate(requests, make_policy(static), **kwargs)
+    ample = simulate(requests, make_policy(static), **kwargs, offload=HostOffload(10 ** 9, 1e-9))
+    scant = simulate(requests, make_policy(static), **kwargs, offload=HostOffload(16, 1e-9))
+    assert plain.preemptions > 0 and plain.recovered_tokens == 0  # no groups: no prefix-cache hits either
+    assert ample.preemptions > 0 and 0 < ample.recomputed_tokens - ample.recovered_tokens < 16 * ample.preemptions
+    assert ample.makespan_s < plain.makespan_s
+    assert scant.recovered_tokens == 0 and scant.makespan_s == plain.makespan_s
+
+
 def test_the_policy_hears_of_every_preemption_and_step():
     class Listening(type(make_policy({"name": "static", "b_max": 256}))):
         def __init__(self, *args):

@@ -6,8 +6,10 @@ a prefill), allocating KV blocks and preempting the newest running request (reco
 then, only if nothing was preempted, waiting requests in FCFS order while the cap, the token budget and the
 blocks for the whole prompt allow. With `share_prompts` (vLLM's prefix caching, on by default), the requests of
 a group (the n samples of a prompt) share its full prompt blocks: held once while any member runs, and a
-member admitted while they are held computes only the rest. Step time comes from a fitted model
-(`StepTimeModel`). Not modelled: async scheduling's one-step overlap, cached blocks that outlive their holders.
+member admitted while they are held computes only the rest. With `offload` (vLLM's KV offloading to host
+memory), a preempted request that resumes loads its full blocks back instead of computing them again
+(`HostOffload`). Step time comes from a fitted model (`StepTimeModel`). Not modelled: async scheduling's one-step
+overlap, cached blocks that outlive their holders.
 """
 
 from __future__ import annotations
@@ -86,6 +88,28 @@ class Speculation:
 
 
 @dataclass
+class HostOffload:
+    """vLLM's native KV offloading (`model.kv_offloading_gib`): every full block a request computes is also written
+    to host memory, which keeps the last `capacity_tokens` written (older blocks are evicted first). A preempted
+    request that resumes finds its full blocks there if no more than that was written since its preemption, and
+    loads them in `load_s_per_token` each (the host link's bandwidth over a token's KV bytes), added to the step
+    that resumes it: vLLM loads asynchronously while other requests' steps run, so this bounds the cost from
+    above. The writes, asynchronous on their own stream, are taken as free."""
+
+    capacity_tokens: int
+    load_s_per_token: float
+
+    @classmethod
+    def from_bytes(cls, host_bytes: float, kv_bytes_per_token: float, link_bytes_per_s: float) -> HostOffload:
+        return cls(int(host_bytes // kv_bytes_per_token), kv_bytes_per_token / link_bytes_per_s)
+
+
+# The host link the simulator loads offloaded blocks over: a quarter of PCIe 5.0 x16's 64 GB/s a direction (an
+# H200's), below what pinned-memory copies reach, so that loads are not underpriced.
+HOST_LINK_BYTES_PER_S = 16e9
+
+
+@dataclass
 class SimRequest:
     prompt_tokens: int
     output_tokens: int
@@ -102,6 +126,9 @@ class SimRequest:
     recomputed: int = 0  # its computed tokens thrown away by preemptions
     preemptions: int = 0
     finished_s: float | None = None
+    thrown: int = 0  # computed tokens its last preemption threw away, until it resumes
+    stored: int = 0  # of them, those in host memory (HostOffload)
+    stored_at: int = 0  # tokens written to host memory by all requests before its preemption
 
     @property
     def target(self) -> int:  # tokens held: the prompt and every token generated so far
@@ -138,6 +165,10 @@ class SimResult:
     trace: list = field(default_factory=list)
     last: CriticalPath | None = None  # the request that finished the pass
     longest: CriticalPath | None = None  # the pass's longest request (the latest to finish of the longest)
+    # Of the recomputed tokens, those a resumed request did not compute again: its group's prompt blocks, held by
+    # a sibling (prefix caching), or its blocks loaded from host memory (`HostOffload`). The adapter's
+    # `recovered_tokens`.
+    recovered_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -159,13 +190,14 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
                    prior_lengths=None, share_prompts: bool = True, nominal_max_tokens: int | None = None,
                    sibling_order: SiblingOrder | None = None, requests_at_first_step: int | None = None,
                    ask_every_step: bool = False, speculation: Speculation | None = None, feed=None,
-                   order_arrivals: bool = False):
+                   order_arrivals: bool = False, offload: HostOffload | None = None):
     """Run `requests` ((prompt tokens, output tokens[, predicted length scale[, group[, probe group[, held]]]]),
     in arrival order) to completion under `policy`, a step at a time: yields the clock after each step and returns
     the `SimResult`, so several engines (data parallel) advance in the order of their clocks.
     `nominal_max_tokens`: the max_tokens the policy is told, as the benchmark tells the adapter (None: each
     request's own length, a request whose max_tokens is its length). `sibling_order`: reorders the waiting
-    requests of probed groups as their samples finish, as the adapter. `requests_at_first_step`: how many
+    requests of probed groups as their samples finish, as the adapter. `offload`: vLLM's KV offloading to host
+    memory (None: off). `requests_at_first_step`: how many
     requests the engine holds at its first step (None: all); the rest arrive before the second, as vLLM's front
     end streams a batch into the engine core's process. `ask_every_step`: call the policy at every step, also
     where its `steady_until` says its answer stands (the adapter does not). `speculation`: speculative decoding
@@ -196,6 +228,7 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
         return freed
 
     clock, steps, preemptions, recomputed, generated, finished = 0.0, 0, 0, 0, 0, 0
+    recovered = written = 0  # written: tokens computed so far, by all requests (HostOffload's write-through)
     gate, cap, step_budget = StepGate(), max_num_seqs, token_budget
     progress = {"vllm": None, "least_output": lambda r: r.generated,
                 "least_computed": lambda r: r.computed}[policy.preemption_order]  # the adapter's PROGRESS
@@ -269,7 +302,7 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
             gate.answered(events, decision)
             cap = decision.cap
             step_budget = token_budget if decision.token_budget is None else max(decision.token_budget, 1)
-        budget, scheduled, preempted = step_budget, [], False
+        budget, scheduled, preempted, load_s = step_budget, [], False, 0.0
         drafting = speculation is not None and len(running) <= speculation.max_batch
         accepted: dict[int, int] = {}  # id(request) -> draft tokens it accepts this step
         if progress is not None and preemption_possible(free, len(running), step_budget, block_size):
@@ -286,6 +319,9 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
                 free += release(victim)
                 recomputed += victim.computed
                 victim.recomputed += victim.computed
+                victim.thrown = victim.computed
+                if offload is not None:
+                    victim.stored, victim.stored_at = victim.computed // block_size * block_size, written
                 victim.preemptions += 1
                 policy.observe_preempted(victim.computed)
                 victim.computed = 0
@@ -311,6 +347,12 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
             if math.ceil(r.target / block_size) - cached > free:  # the whole prompt must fit before admission
                 break
             r.computed = min(cached * block_size, r.target - 1)  # vLLM recomputes at least the last token
+            if r.stored and written - r.stored_at + r.stored <= offload.capacity_tokens and r.stored > r.computed:
+                loaded = min(r.stored, r.target - 1) - r.computed
+                load_s += loaded * offload.load_s_per_token
+                r.computed += loaded
+            recovered += min(r.computed, r.thrown)
+            r.thrown = r.stored = 0
             n = min(r.target - r.computed, budget)
             waiting.popleft()
             running.append(r)
@@ -330,7 +372,7 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
         decode = sum(1 for r, _ in scheduled if r.decoding)
         prefill = sum(n for r, n in scheduled if not r.decoding)
         kv_read = sum(r.computed for r, _ in scheduled)
-        duration = step_time(decode, kv_read, prefill)
+        duration = step_time(decode, kv_read, prefill) + load_s
         if speculation is not None and (speculation.whole_pass or accepted):
             duration *= speculation.sync_factor(decode)
         if accepted:
@@ -343,11 +385,13 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
             if id(r) in accepted:  # a verify step: the accepted drafts and one token of its own
                 gained = 1 + accepted[id(r)]
                 r.computed += gained
+                written += gained
                 r.generated += gained
                 generated += gained
             else:
                 was_prefill = r.computed < r.target
                 r.computed += n
+                written += n
                 if was_prefill and r.computed < r.target:
                     continue  # a prefill chunk that does not finish the prompt samples nothing
                 r.generated += 1
@@ -379,4 +423,4 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
     ran = [r for r in queue if r.finished_s is not None]
     last = max(ran, key=lambda r: (r.finished_s, r.output_tokens), default=None)
     longest = max(ran, key=lambda r: (r.output_tokens, r.finished_s), default=None)
-    return SimResult(clock, generated, preemptions, recomputed, steps, trace, path(last), path(longest))
+    return SimResult(clock, generated, preemptions, recomputed, steps, trace, path(last), path(longest), recovered)

@@ -15,7 +15,7 @@ from rollout.policy import make_policy
 from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import SiblingOrder, probe_first_order
 from rollout.policy.prompt_memory import PromptMemory, arrival_order, pass_arrivals
-from rollout.sim.engine import StepTimeModel, simulate
+from rollout.sim.engine import HOST_LINK_BYTES_PER_S, HostOffload, StepTimeModel, simulate
 from rollout.suite import BenchConfig, scheduler_policy
 from rollout.workloads import ProfileConfig, longest_first, profile_requests
 
@@ -31,6 +31,7 @@ class ProfileRun:
     generated_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
+    recovered_tokens: int = 0  # of them, found in the prefix cache or host memory on resuming (SimResult)
     per_iteration_tokens_per_s: list = field(default_factory=list)
     per_iteration_makespan_s: list = field(default_factory=list)
     last: list = field(default_factory=list)  # each iteration's CriticalPath (rollout.sim.engine)
@@ -55,7 +56,9 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                      kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384,
                      keep_trace: bool = False, speculation=None, share=None) -> ProfileRun:
     """`share(iteration, requests)`: the positions of the requests this engine runs in that iteration (None: all),
-    for one engine of several (data parallel), which learns only from what it runs."""
+    for one engine of several (data parallel), which learns only from what it runs. With the bench's
+    `kv_offloading_gib`, the engine offloads KV blocks to that much host memory (`HostOffload`), a token's KV
+    bytes being the profile's cache bytes over `kv_capacity_tokens`."""
     from rollout.engine import submission_plan
 
     settings = scheduler_settings(bench, name)
@@ -63,6 +66,13 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
     probes = learns and settings.get("probe_first", PolicyConfig.probe_first)
     policy = make_policy(settings, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
     memory = PromptMemory(None, "longest_first", probes)  # the scheduler's (rollout.vllm_adapter)
+    offload = None
+    if bench.kv_offloading_gib:
+        if not profile.kv_cache_memory_bytes:
+            raise ValueError(f"profile {profile.name}: kv_offloading_gib needs its kv_cache_memory_bytes, which "
+                             "gives a token's KV bytes")
+        offload = HostOffload.from_bytes(bench.kv_offloading_gib * 2 ** 30,
+                                         profile.kv_cache_memory_bytes / kv_capacity_tokens, HOST_LINK_BYTES_PER_S)
     run = ProfileRun()
     for iteration in range(profile.iterations):
         requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
@@ -97,7 +107,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
                           prior_lengths=prior, nominal_max_tokens=profile.max_output,
                           sibling_order=SiblingOrder() if probes else None,
                           requests_at_first_step=REQUESTS_AT_FIRST_STEP, keep_trace=keep_trace,
-                          speculation=speculation)
+                          speculation=speculation, offload=offload)
         if learns:
             for key, r in zip(keys, requests):
                 memory.finished(key, r.output_tokens)
@@ -106,6 +116,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         run.generated_tokens += result.generated_tokens
         run.preemptions += result.preemptions
         run.recomputed_tokens += result.recomputed_tokens
+        run.recovered_tokens += result.recovered_tokens
         run.per_iteration_tokens_per_s.append(result.tokens_per_s)
         run.per_iteration_makespan_s.append(result.makespan_s)
         run.last.append(result.last)
