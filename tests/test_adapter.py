@@ -458,17 +458,20 @@ def test_a_resumed_request_computes_again_only_what_the_prefix_cache_lacks(build
     assert recovered < recomputed
 
 
-def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(build, tmp_path):
+@pytest.mark.parametrize("policy", ["static", "forecast"])
+def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(build, tmp_path, policy):
     """With vLLM's KV offloading (model.kv_offloading_gib) every full block is also written to host memory, and a
     preempted request, once resumed, loads its full blocks from there: it computes again only its last, partial
-    block, and the trace counts the rest as recovered. Three requests outgrow 7 usable blocks; the prefix cache
-    is on (the offload finds blocks by their hashes) but keeps too little to matter."""
+    block, and the trace counts the rest as recovered. Three requests, admitted at once (the cap forced; the
+    forecast orders preemptions by output), outgrow 7 usable blocks; the prefix cache is on (the offload finds
+    blocks by their hashes) but keeps too little to matter."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
-    scheduler = build({"name": "static", "b_max": 8}, num_blocks=8, prefix_caching=True, host_offload_bytes=1 << 24)
+    scheduler = build({"name": policy, "b_max": 8}, num_blocks=8, prefix_caching=True, host_offload_bytes=1 << 24)
+    spy_on(scheduler, answer=lambda state: 8)  # all admitted at once, to outgrow the cache
     requests = [request(f"r{i}", 30, 40, block_hasher=hasher) for i in range(3)]
     run = Run(scheduler, requests, transfers=True)
     preempted, computed_again, thrown = set(), [], {}
