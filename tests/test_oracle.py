@@ -8,10 +8,10 @@ from rollout.policy.oracle import oracle_admissions, peak_kv_tokens
 requests = st.lists(st.tuples(st.integers(1, 300), st.integers(0, 200)), min_size=0, max_size=25)
 
 
-def brute_peak(current, remaining, block_size):
-    """Step the requests one token at a time and take the largest total (whole blocks)."""
+def brute_peak(current, remaining, block_size, horizon=None):
+    """Step the requests one token at a time and take the largest total (whole blocks), up to `horizon` steps."""
     peak = 0
-    for t in range(0, max(remaining, default=0) + 1):
+    for t in range(0, min(max(remaining, default=0), 10 ** 9 if horizon is None else horizon) + 1):
         total = sum(-(-(c + t) // block_size) * block_size for c, r in zip(current, remaining) if r >= t)
         peak = max(peak, total)
     return peak
@@ -26,6 +26,27 @@ def test_peak_bounds_the_block_rounded_simulation(reqs, block_size):
     assert exact <= peak <= exact + len(reqs) * (block_size - 1)
     if block_size == 1:
         assert peak == exact
+
+
+@given(requests, st.integers(1, 250))
+def test_the_peak_within_a_horizon_is_the_largest_demand_up_to_it(reqs, horizon):
+    current = np.array([c for c, _ in reqs], dtype=np.int64)
+    remaining = np.array([r for _, r in reqs], dtype=np.int64)
+    assert peak_kv_tokens(current, remaining, 1, horizon=horizon) == brute_peak(current.tolist(), remaining.tolist(),
+                                                                                1, horizon)
+
+
+def test_the_oracle_takes_the_forecasts_horizon_and_order_of_preemption():
+    """Past its horizon the oracle, like the forecast, lets admitted requests outrun the cache: two requests of 16
+    prompt tokens and 600 output tokens, 50 blocks of 16 tokens. Within a horizon of 200 tokens both fit (and
+    vLLM then preempts the one that generated less); to their end (39 blocks each) only one does."""
+    state = StepState(num_running=0, num_waiting=2, kv_capacity_blocks=50, block_size=16)
+    state.running_tokens = state.running_remaining = np.zeros(0, dtype=np.int64)
+    state.waiting_tokens, state.waiting_remaining = np.full(2, 16), np.full(2, 600)
+    caps = {horizon: make_policy({"name": "oracle", "b_max": 8, "forecast_min_wave": 0.0,
+                                  "forecast_horizon_tokens": horizon}).batch_cap(state) for horizon in (0, 200)}
+    assert caps == {0: 1, 200: 2}
+    assert make_policy({"name": "oracle", "b_max": 8}).preemption_order == "least_output"
 
 
 @given(requests, requests, st.integers(0, 5000))

@@ -84,7 +84,8 @@ class PolicyConfig:
         "is run again at each finish, and the far future rests on the fitted tail of the length estimate, whose "
         "peak kept a long queue out of memory that the nearer future had free. Over three seeds in the simulator: "
         "tail-bound's variants 1.008-1.022x vLLM's default against 0.986-1.005x to the end, recomputing less; the "
-        "suite's other profiles within 1% and recomputing no more (docs/results.md, \"tail-bound\").")})
+        "suite's other profiles within 1% and recomputing no more (docs/results.md, \"tail-bound\"). The length "
+        "oracle takes the same horizon (0: it reserves each request's true peak and never preempts).")})
     forecast_after_share: float = field(default=0.1, metadata={"help": (
         "The prior stays until this share of the running requests have finished, in [0, 1].")})
     forecast_pointwise_running_peak: bool = field(default=True, metadata={"help": (
@@ -127,7 +128,7 @@ class PolicyConfig:
         "at 1.103x vLLM's default (least_computed 1.031x, on another H200); over eight seeds in the simulator "
         "least_output 1.040x, vllm 1.039x, least_computed 1.025x, the suite's tail-bound 1.026x, 1.025x, 1.025x, "
         "recomputing 19-21% against 14-16%; the other profiles preempt too rarely to tell them apart "
-        "(docs/results.md, \"tail-bound\").")})
+        "(docs/results.md, \"tail-bound\"). The length oracle preempts in the same order.")})
     forecast_siblings: bool = field(default=True, metadata={"help": (
         "Within a pass, a group's finished samples (and its running ones' output so far) move the length estimate of "
         "its other samples (GRPO's n samples of a prompt; no effect on groups of one).")})

@@ -1,6 +1,9 @@
 """The length oracle: admission that knows every request's true output length (a benchmark reference, never a
-default). It admits waiting requests, in queue order, while the future peak KV demand of everything running
-stays within the cache, so nothing is ever preempted; fed longest-first, it keeps the cache full.
+default). It admits waiting requests, in queue order, while the peak KV demand of everything running over the
+forecast's horizon (`forecast_horizon_tokens` steps ahead; 0: until every request ends) stays within the cache;
+fed longest-first, it keeps the cache full. Within the horizon nothing is preempted; past it requests may outrun
+the cache as finishes fail to free enough, and then vLLM preempts in the forecast's order
+(`forecast_preemption`): the oracle takes the forecast's rule whole, with true lengths for estimates.
 """
 
 from __future__ import annotations
@@ -15,14 +18,19 @@ from rollout.policy.policies import StaticPolicy
 
 
 def peak_kv_tokens(current: np.ndarray, remaining: np.ndarray, block_size: int = 1, fixed: np.ndarray | None = None,
-                   fixed_until: np.ndarray | None = None) -> float:
+                   fixed_until: np.ndarray | None = None, horizon: int = 0) -> float:
     """Largest future KV demand (tokens) of requests holding `current` tokens that each grow by one token per
     step for `remaining` more steps and then free everything; each active request may waste up to one block.
-    `fixed` tokens (shared prompt blocks) are held, without growing, until `fixed_until` steps."""
+    `fixed` tokens (shared prompt blocks) are held, without growing, until `fixed_until` steps. `horizon` (0:
+    none): the largest demand within that many steps ahead."""
     if len(current) == 0:
         return 0.0
     order = np.argsort(remaining, kind="stable")
     rem = remaining[order].astype(float)
+    if horizon:
+        # At the horizon every request still running counts as if it finished there: the demand evaluated at
+        # min(end, horizon) is largest where the first of them does.
+        rem = np.minimum(rem, float(horizon))
     cur = current[order].astype(float)
     # Demand changes only when a request finishes: evaluate at each finish time t = rem[k], where requests
     # k..n-1 are still active, each holding cur + t tokens rounded up to a block.
@@ -46,27 +54,30 @@ def _with_shared_prompts(tokens, remaining, group, shared):
     return tokens - shared, fixed, until
 
 
-def _peak(tokens, remaining, block_size, group=None, shared=None) -> float:
+def _peak(tokens, remaining, block_size, group=None, shared=None, horizon: int = 0) -> float:
     """`peak_kv_tokens` of requests; with groups and shared prompt tokens, a group's shared blocks count once."""
     tokens = np.asarray(tokens, dtype=float)
     fixed = until = None
     if shared is not None:
         tokens, fixed, until = _with_shared_prompts(tokens, remaining, group, np.asarray(shared, dtype=float))
-    return peak_kv_tokens(tokens, remaining, block_size, fixed, until)
+    return peak_kv_tokens(tokens, remaining, block_size, fixed, until, horizon)
 
 
 def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray, waiting_tokens: np.ndarray,
                       waiting_remaining: np.ndarray, capacity_tokens: float, block_size: int,
-                      running_group=None, waiting_group=None, running_shared=None, waiting_shared=None) -> int:
-    """How many of the waiting requests (a prefix, in queue order) fit without the peak exceeding capacity.
-    With groups and shared prompt tokens (prefix caching), a group's shared prompt blocks count once."""
+                      running_group=None, waiting_group=None, running_shared=None, waiting_shared=None,
+                      horizon: int = 0) -> int:
+    """How many of the waiting requests (a prefix, in queue order) fit without the peak (within `horizon` steps;
+    0: ever) exceeding capacity. With groups and shared prompt tokens (prefix caching), a group's shared prompt
+    blocks count once."""
     sharing = running_shared is not None and waiting_shared is not None
 
     def fits(m: int) -> bool:
         return _peak(np.concatenate([running_tokens, waiting_tokens[:m]]),
                      np.concatenate([running_remaining, waiting_remaining[:m]]), block_size,
                      np.concatenate([running_group, waiting_group[:m]]) if sharing else None,
-                     np.concatenate([running_shared, waiting_shared[:m]]) if sharing else None) <= capacity_tokens
+                     np.concatenate([running_shared, waiting_shared[:m]]) if sharing else None,
+                     horizon) <= capacity_tokens
 
     lo, hi = 0, len(waiting_tokens)  # the peak grows with m: binary search for the largest m that fits
     while lo < hi:
@@ -80,10 +91,10 @@ def oracle_admissions(running_tokens: np.ndarray, running_remaining: np.ndarray,
 
 def oracle_backfill(tokens: np.ndarray, remaining: np.ndarray, candidate_tokens: np.ndarray,
                     candidate_remaining: np.ndarray, capacity_tokens: float, block_size: int, group=None, shared=None,
-                    candidate_group=None, candidate_shared=None) -> list[int]:
+                    candidate_group=None, candidate_shared=None, horizon: int = 0) -> list[int]:
     """The candidates (indices, first fit in the order given) that fit beside the requests `tokens` and
-    `remaining` describe (the running and those admitted) without the peak exceeding capacity; with groups and
-    shared prompt tokens, as `oracle_admissions`."""
+    `remaining` describe (the running and those admitted) without the peak (within `horizon` steps) exceeding
+    capacity; with groups and shared prompt tokens, as `oracle_admissions`."""
     sharing = shared is not None and candidate_shared is not None
     picks: list[int] = []
     for k in range(len(candidate_tokens)):
@@ -91,22 +102,22 @@ def oracle_backfill(tokens: np.ndarray, remaining: np.ndarray, candidate_tokens:
         if _peak(np.concatenate([tokens, candidate_tokens[rows]]),
                  np.concatenate([remaining, candidate_remaining[rows]]), block_size,
                  np.concatenate([group, candidate_group[rows]]) if sharing else None,
-                 np.concatenate([shared, candidate_shared[rows]]) if sharing else None) <= capacity_tokens:
+                 np.concatenate([shared, candidate_shared[rows]]) if sharing else None, horizon) <= capacity_tokens:
             picks.append(k)
     return picks
 
 
 @register
 class OraclePolicy(StaticPolicy):
-    """Cap = running + the waiting requests whose true lengths still fit the cache at its future peak, admitted in
-    waves of at least `min_wave` x the running requests (or the whole queue), as the forecast admits."""
+    """Cap = running + the waiting requests whose true lengths still fit the cache at its peak over the forecast's
+    horizon, admitted in waves of at least `min_wave` x the running requests (or the whole queue), as the forecast
+    admits."""
 
     name = "oracle"
     needs_requests = True
     reads_true_lengths = True
     benchmark_only = True
     backfills = True
-    preemption_order = "least_computed"
     admitted_last: int | None = None
 
     def __init__(self, config, stats=None, graph_batch: int = 0) -> None:
@@ -116,6 +127,11 @@ class OraclePolicy(StaticPolicy):
         # Admitting whatever fits at every step trickles prompts into many steps, each out of the decode-only
         # CUDA graph: the oracle then runs slower than the forecast it should bound (docs/results.md).
         self.min_wave = min_wave
+        # The forecast's horizon and order of preemption (see the module's docstring): admitting only what fits at
+        # its true peak until the pass's end keeps room free that the forecast fills, and the reference then
+        # lost to vLLM's default where a long request is a large share of the cache (docs/results.md).
+        self.horizon_tokens = config.forecast_horizon_tokens
+        self.preemption_order = config.forecast_preemption
         self._finishes_wanted = 0  # finishes before the next search (0: search at every step)
         self._admitted_up_to = 0  # running requests at the last search plus those it admitted, less finishes since
         self.picks: list[int] = []  # queue positions this cap counts past the blocked head (`backfill`)
@@ -151,7 +167,7 @@ class OraclePolicy(StaticPolicy):
         capacity = state.kv_capacity_blocks * state.block_size
         admit = oracle_admissions(state.running_tokens, state.running_remaining, state.waiting_tokens,
                                   state.waiting_remaining, capacity, state.block_size, state.running_group,
-                                  state.waiting_group, state.running_shared, state.waiting_shared)
+                                  state.waiting_group, state.running_shared, state.waiting_shared, self.horizon_tokens)
         blocked = admit < len(state.waiting_tokens)  # the head's first request left out waits
         if blocked:
             positions, candidates = backfill_candidates(state, admit)
@@ -162,7 +178,7 @@ class OraclePolicy(StaticPolicy):
                 candidates["tokens"], candidates["remaining"], capacity, state.block_size,
                 np.concatenate([state.running_group, state.waiting_group[:admit]]) if sharing else None,
                 np.concatenate([state.running_shared, state.waiting_shared[:admit]]) if sharing else None,
-                candidates.get("group"), candidates.get("shared"))
+                candidates.get("group"), candidates.get("shared"), self.horizon_tokens)
             self.picks = [positions[k] for k in picked]
         # All it was shown fit (the description stops at the cache's free blocks, or the whole queue, while vLLM's
         # front end is still handing it the pass): more may fit at the next step. Waiting for a finish there
