@@ -458,22 +458,23 @@ def test_a_resumed_request_computes_again_only_what_the_prefix_cache_lacks(build
     assert recovered < recomputed
 
 
-@pytest.mark.parametrize("policy", ["static", "forecast"])
-def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(build, tmp_path, policy):
+@pytest.mark.parametrize("policy, overlap", [("static", False), ("forecast", False), ("forecast", True)])
+def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(build, tmp_path, policy, overlap):
     """With vLLM's KV offloading (model.kv_offloading_gib) every full block is also written to host memory, and a
     preempted request, once resumed, loads its full blocks from there: it computes again only its last, partial
-    block, and the trace counts the rest as recovered. Three requests, admitted at once (the cap forced; the
-    forecast orders preemptions by output), outgrow 7 usable blocks; the prefix cache is on (the offload finds
-    blocks by their hashes) but keeps too little to matter."""
+    block (under async scheduling at most one more), and the trace counts the rest as recovered. Three requests,
+    admitted at once (the cap forced; the forecast orders preemptions by output), outgrow 7 usable blocks; the
+    prefix cache is on (the offload finds blocks by their hashes) but keeps too little to matter."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
-    scheduler = build({"name": policy, "b_max": 8}, num_blocks=8, prefix_caching=True, host_offload_bytes=1 << 24)
+    scheduler = build({"name": policy, "b_max": 8}, num_blocks=8, prefix_caching=True, host_offload_bytes=1 << 24,
+                      cls=AsyncDynamicBatchScheduler if overlap else DynamicBatchScheduler)
     spy_on(scheduler, answer=lambda state: 8)  # all admitted at once, to outgrow the cache
     requests = [request(f"r{i}", 30, 40, block_hasher=hasher) for i in range(3)]
-    run = Run(scheduler, requests, transfers=True)
+    run = Run(scheduler, requests, overlap=overlap, transfers=True)
     preempted, computed_again, thrown = set(), [], {}
     for output in run.steps():
         for request_id in preempted & output.num_scheduled_tokens.keys():  # resumed, its blocks loaded
@@ -487,7 +488,9 @@ def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(
     recovered = sum(s.get("recovered_tokens", 0) for s in steps)
     assert all(len(r.output_token_ids) == 40 for r in requests)
     assert sum(thrown.values()) >= 2 and len(computed_again) == sum(thrown.values())
-    assert all(n <= BLOCK for n in computed_again)  # the partial block (with the token it has not computed)
+    # The partial block (with the token it has not computed); under async scheduling also the block filled at the
+    # step before the preemption: its last token is not known when that step is scheduled, nor stored before it.
+    assert all(n <= (2 * BLOCK + 1 if overlap else BLOCK) for n in computed_again), computed_again
     assert recomputed - recovered <= sum(computed_again) and recovered > 0
 
 
