@@ -122,6 +122,17 @@ def cpu_has_bfloat16_kernels() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def check_platform(cfg: RunConfig, offloading_key: str = "model.kv_offloading_gib") -> None:
+    """The settings this machine's vLLM platform cannot run, as a ConfigError naming the key (`offloading_key`: how
+    the caller's user wrote the offloading setting): checked before the engine starts, and before anything is
+    written."""
+    from vllm.platforms import current_platform
+
+    if cfg.model.kv_offloading_gib is not None and current_platform.is_cpu():
+        raise ConfigError(f"{offloading_key}={cfg.model.kv_offloading_gib}: vLLM's KV offloading copies blocks "
+                          "between a GPU and host memory, and this engine runs on the CPU: set it to null")
+
+
 NO_WORKER_DRAFTS = "rollout.vllm_adapter.NoWorkerDrafts"  # the worker's proposer where the scheduler drafts
 
 
@@ -162,9 +173,7 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)
     if m.kv_offloading_gib is not None:
-        if current_platform.is_cpu():
-            raise ConfigError(f"model.kv_offloading_gib={m.kv_offloading_gib}: vLLM's KV offloading copies blocks "
-                              "between a GPU and host memory, and this engine runs on the CPU: set it to null")
+        check_platform(cfg)
         from vllm.config import KVTransferConfig
 
         # vLLM's native offloading (what its kv_offloading_size sets up), with generated tokens stored too: by

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rollout.config import ConfigError, RunConfig, describe_options, load_config, to_yaml
 from rollout.data import DataError, load_prompts, load_tokenizer
-from rollout.engine import set_vllm_log_level
+from rollout.engine import check_platform, set_vllm_log_level
 from rollout.models import ModelError, resolve_model
 from rollout.store import SampleStore, StoreError, fingerprint
 
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.overrides, args.config)
         set_vllm_log_level(cfg.output.vllm_log_level)  # before anything here imports vLLM
+        check_platform(cfg)
         tokenizer = load_tokenizer(resolve_model(cfg.model.path))
         prompts, skipped = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
         out_dir = Path(cfg.output.dir)

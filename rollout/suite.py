@@ -188,9 +188,11 @@ def bench_run_config(bench: BenchConfig, profile: ProfileConfig, scheduler: str,
 def check_bench(bench: BenchConfig) -> None:
     """Every run's configuration and workload, built once without an engine: a bad setting fails here, before
     any engine starts (ConfigError or ValueError)."""
+    from rollout.engine import check_platform
+
     for profile in bench.profiles:
         for scheduler in bench.schedulers:
-            bench_run_config(bench, profile, scheduler, "unused")
+            check_platform(bench_run_config(bench, profile, scheduler, "unused"), offloading_key="kv_offloading_gib")
         profile_requests(profile, 0, bench.seed, bench.vocab_size)
 
 

@@ -55,6 +55,15 @@ def test_bad_bench_config_fails_before_any_engine():
     assert "unknown scheduler 'fastest'" in result.stderr
 
 
+def test_kv_offloading_on_the_cpu_fails_before_any_engine(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rollout.bench", "--config", "configs/bench/cpu-smoke.yaml",
+                             "kv_offloading_gib=8", f"out_dir={tmp_path / 'bench'}"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert "kv_offloading_gib=8.0: vLLM's KV offloading copies blocks between a GPU and host memory" in result.stderr
+    assert not (tmp_path / "bench").exists()
+
+
 def test_a_scheduler_name_carries_policy_settings():
     from rollout.suite import load_bench_config, scheduler_policy
 

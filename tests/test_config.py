@@ -192,14 +192,18 @@ def test_vllm_log_level_yields_to_the_users_environment(monkeypatch):
 def test_kv_offloading_stores_generated_tokens_and_is_refused_on_the_cpu(tiny_model, tmp_path, monkeypatch):
     """model.kv_offloading_gib sets up vLLM's OffloadingConnector storing outputs as well as prompts (its default
     stores prompts only, and a preempted request would compute its output again); vLLM's CPU platform has no
-    offloading, so there it is refused before an engine starts."""
+    offloading, so there the run stops before anything is written."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
     from rollout.engine import engine_kwargs
+    from rollout.generate import main
 
     with pytest.raises(ConfigError, match="model.kv_offloading_gib must be > 0"):
         load_config(["model.path=/models/mine", "data.source=my.jsonl", "model.kv_offloading_gib=0"])
+    assert main([f"model.path={tiny_model}", "data.source=my.jsonl", "model.kv_offloading_gib=1.5",
+                 f"output.dir={tmp_path / 'out'}"]) == 2
+    assert not (tmp_path / "out").exists()
     cfg = load_config([f"model.path={tiny_model}", "data.source=my.jsonl", "model.kv_offloading_gib=1.5"])
     with pytest.raises(ConfigError, match="this engine runs on the CPU"):
         engine_kwargs(cfg, str(tiny_model), tmp_path / "t", None, tmp_path / "s")
