@@ -433,7 +433,8 @@ class RolloutEngine:
             "cuda_graph_batch": header.get("graph_batch"),  # the largest batch the engine runs as a CUDA graph
             "steps": len(steps),
             "recomputed_tokens": sum(s.get("recomputed_tokens", 0) for s in steps) if steps else None,
-            # Of those, the tokens the resumed requests found in vLLM's prefix cache: not computed again.
+            # Of those, the tokens the resumed requests found in vLLM's prefix cache or host memory: not computed
+            # again.
             "recovered_tokens": sum(s.get("recovered_tokens", 0) for s in steps) if steps else None,
         }
         if steps:

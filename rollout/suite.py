@@ -267,7 +267,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
         "started_at": round(started_at, 1), "ended_at": round(ended_at, 1), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "preemptions": int(preemptions), "recomputed_tokens": int(recomputed) if trace else None,
         "recomputed_fraction": round(recomputed / generated, 4) if trace else None,
-        # Net of the prefix cache: what the preempted requests computed again once resumed.
+        # Net of the prefix cache and host memory: what the preempted requests computed again once resumed.
         "recovered_tokens": int(recovered) if trace else None,
         "recomputed_net_fraction": round((recomputed - recovered) / generated, 4) if trace else None,
         "mean_running": round(statistics.mean(s["running"] for s in trace), 1) if trace else None,

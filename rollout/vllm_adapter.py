@@ -294,7 +294,8 @@ class _DynamicBatchMixin:
         self._preempted = 0
         self._recomputed = 0  # computed tokens thrown away by this step's preemptions
         # Preempted requests not resumed yet -> the tokens thrown away: vLLM keeps their blocks in its prefix cache
-        # until they are reused, and a resumed request computes again only what its prefix hit lacks.
+        # until they are reused (and with KV offloading in host memory), and a resumed request computes again only
+        # what its prefix hit lacks.
         self._thrown: dict[str, int] = {}
         self._cap = self.max_cap
         self._policy_fields: dict = {}  # the policy's trace fields as it last answered
@@ -568,8 +569,8 @@ class _DynamicBatchMixin:
 
     def _recovered(self, scheduled: dict) -> int:
         """Of the tokens that preemptions threw away, those the requests resumed by this step found in the prefix
-        cache: after schedule() a resumed request's computed tokens are its prefix hit plus what it was
-        scheduled."""
+        cache or loaded from host memory (KV offloading): after schedule() a resumed request's computed tokens are
+        its prefix hit plus what it was scheduled."""
         recovered = 0
         for request_id in self._thrown.keys() & scheduled.keys():
             hit = self.requests[request_id].num_computed_tokens - scheduled[request_id]

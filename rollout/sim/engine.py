@@ -198,8 +198,9 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
     request's own length, a request whose max_tokens is its length). `sibling_order`: reorders the waiting
     requests of probed groups as their samples finish, as the adapter. `offload`: vLLM's KV offloading to host
     memory (None: off). `requests_at_first_step`: how many requests the engine holds at its first step (None:
-    all); the rest arrive before the second, as vLLM's front end streams a batch into the engine core's process. `ask_every_step`: call the policy at every step, also
-    where its `steady_until` says its answer stands (the adapter does not). `speculation`: speculative decoding
+    all); the rest arrive before the second, as vLLM's front end streams a batch into the engine core's process.
+    `ask_every_step`: call the policy at every step, also where its `steady_until` says its answer stands (the
+    adapter does not). `speculation`: speculative decoding
     as `Speculation` models it (None: none). `feed(clock, waiting, running, cap)`: the positions in `requests`
     that reach the engine after a step (and before the first), as a data-parallel dispatcher hands them over;
     then only those run, and the pass ends when the engine is empty and `feed` gives none. `order_arrivals`: the
