@@ -95,7 +95,8 @@ class ModelConfig:
         "GiB of host memory for vLLM's native KV offloading (its OffloadingConnector, what kv_offloading_size "
         "sets up, here storing generated tokens as well as prompts): each full KV block is also written to host "
         "memory, and a preempted request, when it resumes, loads what it had computed from there instead of "
-        "computing it again; null: off. GPU only.")})
+        "computing it again; null: off. GPU only; experimental: on an H200 it recomputed far less but ran slower, "
+        "preempting twelve times as often (docs/results.md, tail-bound).")})
     engine_kwargs: dict = field(default_factory=dict, metadata={"help": (
         "Extra keyword arguments for vllm.LLM (e.g. compilation_config on GPU); they win over the settings "
         "above.")})
