@@ -11,9 +11,16 @@ steps); 0.26 has only `max_num_running_reqs`, which it also asserts against the 
 set below that. `max_num_seqs` stays at B_max because the model runner sizes buffers from it. A policy may also set
 the step's token budget (`max_num_scheduled_tokens`, read fresh by every schedule()).
 
+With a KV connector (KV offloading), a request whose blocks are being loaded waits outside the running set while
+it holds them, and vLLM starts such loads for as many waiting requests as the free blocks allow, whatever the cap:
+the adapter shows the policy those requests as running, and lets vLLM's admission loop reach only as many of the
+waiting requests as the cap leaves room for (`_meter`).
+
 Invariants: every request of a pass has a row in `PassState.table` from add_request until the pass ends; every
 finish passes `_free_request` once and reaches the policy at the next schedule(), before it is asked; the policy is
-asked through `rollout.policy.step.decide`, as the simulator asks it.
+asked through `rollout.policy.step.decide`, as the simulator asks it. With a KV connector and FCFS queues, the
+running requests and those holding blocks outside the running set are, after a step, no more than its cap (but
+where the cap stands below what already runs or holds).
 """
 
 from __future__ import annotations
@@ -47,11 +54,13 @@ from rollout.policy.speculation import draft_length, tokens_tested
 from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, least_progress_last,
                                  preemption_possible, promote_to_front, shared_prompt_blocks)
 from rollout.trace import NoTrace, StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
-from rollout.vllm_compat import check_scheduler_hooks
+from rollout.vllm_compat import check_scheduler_hooks, held_queue_attribute
 
 # The private names overridden or read here, checked once against the installed vLLM (a renamed hook would silently
 # stop being called): an ImportError names the version. The admission cap's attribute differs between versions.
 CAP_ATTR = check_scheduler_hooks()
+# The queue vLLM admits from before `waiting`, where requests wait whose KV blocks a connector loads (None: none).
+HELD_QUEUE = held_queue_attribute()
 
 SETTINGS_KEY = "rollout"
 _request_id = attrgetter("request_id")
@@ -444,6 +453,9 @@ class _DynamicBatchMixin:
             self._put_arrivals_in_order()
         asked = time.perf_counter()
         num_running, num_waiting = self.get_request_counts()
+        held, front = self._outside_running() if self.connector is not None else ((), ())
+        if held or front:  # counted as the policy sees them: the held ones run, the rest wait
+            num_running, num_waiting = len(self.running) + len(held), len(self.waiting) + len(front)
         events = (num_running, num_waiting, self._finished, self._preempted)
         skipped = self.gate.steady(events, self._step)
         describe_cpu_us = budget = None
@@ -453,7 +465,7 @@ class _DynamicBatchMixin:
         else:
             cpu = self.timer.cpu
             started_cpu = cpu() if cpu else 0.0
-            decision = self._decide(num_running, num_waiting)
+            decision = self._decide(num_running, num_waiting, held, front)
             self.gate.answered(events, decision)
             self._cap = decision.cap
             if self._max_step_tokens is not None:
@@ -474,9 +486,14 @@ class _DynamicBatchMixin:
             least_progress_last(self.running, PROGRESS[order])
         self._recomputed = 0
         step_start = time.monotonic()
+        hidden = self._meter(self._cap - len(self.running) - len(held), front) if self.connector is not None else ()
         base_started = time.perf_counter()
         self.timer.add_adapter(base_started - started)
-        output = super().schedule(*args, **kwargs)
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            for queue, requests in hidden:  # behind whatever the step left there, in their order
+                queue.extend(requests)
         base_ended = time.perf_counter()
         recovered = self._recovered(output.num_scheduled_tokens) if self._thrown else 0
         self._step += 1
@@ -495,6 +512,42 @@ class _DynamicBatchMixin:
             self.trace.add(lost, None)
         self.timer.add_adapter(time.perf_counter() - base_ended)
         return output
+
+    def _outside_running(self) -> tuple[list, list]:
+        """The requests vLLM admits before the waiting queue (its held queue, HELD_QUEUE), in its order: those that
+        hold KV blocks (a connector loads them, or loaded them and they wait for a place), and the others (0.26
+        sets aside there, for a step, a request whose blocks are still being stored)."""
+        queue = getattr(self, HELD_QUEUE, None) if HELD_QUEUE else None
+        held, front = [], []
+        for request in queue or ():
+            holds = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS or request.num_computed_tokens > 0
+            (held if holds else front).append(request)
+        return held, front
+
+    def _meter(self, room: int, front: list) -> list[tuple]:
+        """Under a KV connector vLLM starts a load for every waiting request whose blocks it finds, as long as blocks
+        are free, and counts none of them against the cap (a loading request is not running): after a preemption
+        the preempted requests' loads took the blocks the forecast had left for the running ones' growth, and the
+        running ones were preempted in turn. So only `room` requests that hold no blocks (`front` first, then the
+        waiting queue's head) are left where vLLM's admission loop reaches them; the others are taken out for
+        this step. Returns (queue, requests taken out of it, in order), for schedule() to put back behind what the
+        step leaves there. Priority queues (heaps) keep their order themselves and are left whole."""
+        hidden = []
+        held_queue = getattr(self, HELD_QUEUE, None) if HELD_QUEUE else None
+        room = max(room, 0)
+        if len(front) > room and isinstance(held_queue, deque):
+            out = set(map(id, front[room:]))
+            kept = [r for r in held_queue if id(r) not in out]
+            hidden.append((held_queue, [r for r in held_queue if id(r) in out]))
+            held_queue.clear()
+            held_queue.extend(kept)
+        room = max(room - len(front), 0)
+        waiting = self.waiting
+        if len(waiting) > room and isinstance(waiting, deque):
+            taken = [waiting.pop() for _ in range(len(waiting) - room)]
+            taken.reverse()
+            hidden.append((waiting, taken))
+        return hidden
 
     def _kv_free_blocks(self) -> int:
         return round((1.0 - self.kv_cache_manager.usage) * self.kv_capacity_blocks)
@@ -526,7 +579,9 @@ class _DynamicBatchMixin:
             request.spec_token_ids = self.drafts.propose(request.request_id, request.all_token_ids, key,
                                                          groups[key], min(k, max(room, 0)))
 
-    def _decide(self, num_running: int, num_waiting: int):
+    def _decide(self, num_running: int, num_waiting: int, held=(), front=()):
+        """The policy's decision. `held`: requests holding KV blocks outside the running set, shown as running;
+        `front`: others vLLM admits before the waiting queue, shown at its head (see `_outside_running`)."""
         passing = self.pass_state
         state = StepState(
             num_running=num_running, num_waiting=num_waiting, step=self._step,
@@ -538,7 +593,7 @@ class _DynamicBatchMixin:
         )
 
         def waiting_reader():
-            queue = iter(self.waiting)
+            queue = itertools.chain(front, self.waiting)
             return lambda n: passing.requests(list(itertools.islice(queue, n)))
 
         def tail_reader(n: int):
@@ -548,7 +603,7 @@ class _DynamicBatchMixin:
             return passing.requests(list(itertools.islice(reversed(self.waiting), max(n, 0))))
 
         reorderable = isinstance(self.waiting, deque)  # priority scheduling: vLLM's heap keeps its own order
-        return decide(self.batch_policy, state, lambda: passing.requests(list(self.running)), waiting_reader,
+        return decide(self.batch_policy, state, lambda: passing.requests([*self.running, *held]), waiting_reader,
                       max_num_seqs=self.max_cap, shape=passing.shape, max_step_tokens=self._max_step_tokens,
                       sibling_order=passing.sibling_order, reorder=self._reorder_waiting, clock=self.timer.cpu,
                       tail=tail_reader if reorderable else None,

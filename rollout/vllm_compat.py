@@ -28,6 +28,10 @@ SCHEDULER_ATTRIBUTES = ("vllm_config", "scheduler_config", "cache_config", "kv_c
 # The admission cap the adapter sets every step, in order of preference: vLLM 0.32 has `max_num_active_reqs`
 # (admission only), 0.26 only `max_num_running_reqs` (which it also asserts the running count against).
 CAP_ATTRIBUTES = ("max_num_active_reqs", "max_num_running_reqs")
+# The queue vLLM admits from before `waiting`, where a request that holds KV blocks outside the running set waits
+# (one whose blocks a KV connector is loading, or has loaded): 0.32 names it `kv_holding_waiting`, 0.26 keeps such
+# requests in `skipped_waiting` with others it set aside for a step.
+HELD_QUEUES = ("kv_holding_waiting", "skipped_waiting")
 # What the adapter reads of a request; `_output_token_ids` is the private list behind `num_output_tokens`.
 REQUEST_ATTRIBUTES = ("request_id", "sampling_params", "prompt_token_ids", "max_tokens", "num_prompt_tokens",
                       "num_computed_tokens", "num_output_tokens", "_output_token_ids")
@@ -64,6 +68,16 @@ def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type |
     if missing:
         raise ImportError(f"{unsupported}: it lacks {', '.join(missing)} (tested with {TESTED}; see pyproject.toml)")
     return cap
+
+
+def held_queue_attribute(scheduler_cls: type | None = None) -> str | None:
+    """The name of the queue (one of HELD_QUEUES) that vLLM's `Scheduler` (or `scheduler_cls`) admits from before
+    `waiting`, or None where it has neither."""
+    if scheduler_cls is None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        scheduler_cls = Scheduler
+    return next((name for name in HELD_QUEUES if _has_attribute(scheduler_cls, name)), None)
 
 
 def _has_attribute(cls: type, name: str) -> bool:

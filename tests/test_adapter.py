@@ -13,16 +13,15 @@ import zlib
 from collections import deque
 
 import pytest
-import torch
 import vllm
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
+from rollout.sim.engine import StepTimeModel
+from rollout.sim.vllm_loop import build_scheduler, config_only_model, run_requests
 from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, RolloutScheduler,
                                   adapter_settings, read_settings)
 from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks
@@ -35,11 +34,7 @@ CAP = check_scheduler_hooks()  # the attribute vLLM admits by
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A model folder vLLM's config can read: a tiny Llama's config.json, no weights, no tokenizer."""
-    path = tmp_path_factory.mktemp("config-only-llama")
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-        "head_dim": 64, "max_position_embeddings": 2048, "torch_dtype": "float32"}))
+    path = config_only_model(tmp_path_factory.mktemp("config-only-llama"))
     # Built once here: vLLM's first VllmConfig imports its platform's modules (seconds).
     make_scheduler(path, tmp_path_factory.mktemp("warm-up") / "trace", {"name": "static", "b_max": 4}).shutdown()
     return path
@@ -59,31 +54,15 @@ def build(model_dir, tmp_path):
         scheduler.shutdown()
 
 
-def make_scheduler(model_dir, trace_path, policy: dict, *, num_blocks: int = 64, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 512, cls=DynamicBatchScheduler, settings: dict | None = None,
-                   async_scheduling: bool = False, prefix_caching: bool = False, host_offload_bytes: int | None = None):
-    """`cls` over `num_blocks` KV blocks (one of them vLLM's null block), configured as our driver configures it,
-    or with `settings` as additional_config["rollout"] (as a user of vllm serve or an RL stack writes it).
-    `host_offload_bytes`: vLLM's native KV offloading to that much host memory (model.kv_offloading_gib), its
-    scheduler side (the copies are the worker's: `Run(transfers=True)` reports them done)."""
-    model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=1024)
-    config = VllmConfig(
-        model_config=model,
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                         max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=prefix_caching),
-        kv_transfer_config=None if host_offload_bytes is None else KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": host_offload_bytes, "offload_prompt_only": False}),
-        additional_config=({SETTINGS_KEY: settings} if settings is not None
-                           else adapter_settings(policy, str(trace_path), None, None, None)))
-    config.cache_config.num_gpu_blocks = num_blocks
-    # As a GPU engine's config has it (vLLM's CPU platform turns async scheduling off while building the config).
-    config.scheduler_config.async_scheduling = async_scheduling
-    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-        ["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
-    scheduler = cls(vllm_config=config, kv_cache_config=kv_cache, block_size=BLOCK, log_stats=False,
-                    structured_output_manager=StructuredOutputManager(config))
+def make_scheduler(model_dir, trace_path, policy: dict, *, max_num_seqs: int = 8, num_blocks: int = 64,
+                   cls=DynamicBatchScheduler, settings: dict | None = None, **options):
+    """`cls` over `num_blocks` KV blocks of BLOCK tokens (rollout.sim.vllm_loop.build_scheduler, which takes
+    `options`), configured as our driver configures it, or with `settings` as additional_config["rollout"] (as a
+    user of vllm serve or an RL stack writes it)."""
+    scheduler = build_scheduler(
+        model_dir, {SETTINGS_KEY: settings} if settings is not None else adapter_settings(
+            policy, str(trace_path), None, None, None),
+        num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs, cls=cls, **options)
     assert scheduler.scheduler_config.max_num_seqs == max_num_seqs
     return scheduler
 
@@ -492,6 +471,36 @@ def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(
     # step before the preemption: its last token is not known when that step is scheduled, nor stored before it.
     assert all(n <= (2 * BLOCK + 1 if overlap else BLOCK) for n in computed_again), computed_again
     assert recomputed - recovered <= sum(computed_again) and recovered > 0
+
+
+def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(build):
+    """vLLM starts a KV load for every waiting request whose blocks host memory holds, as long as blocks are free,
+    and counts none against the cap: a loading request waits outside the running set, holding its blocks. Ten
+    requests of 40 prompt and 200 output tokens, admitted at once (the cap forced) into 39 usable blocks, are
+    preempted in turn; then the cap admits one more than the policy is told runs, and a load lasts about five
+    steps. After every step the running requests and those loading are within the cap: the policy is shown the
+    loading ones as running, and vLLM reaches only as many waiting requests as the cap has room for."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    scheduler = build({"name": "forecast", "b_max": 16}, num_blocks=40, max_num_seqs=16, prefix_caching=True,
+                      host_offload_bytes=1 << 24)
+    spy_on(scheduler, answer=lambda state: 16 if state.step < 3 else state.num_running + 1)
+    requests = [request(f"r{i}", 40, 200, block_hasher=hasher) for i in range(10)]
+    seen = []  # (running, loading, cap) after each step
+
+    def observe(clock, scheduler):
+        loading = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in requests)
+        seen.append((len(scheduler.running), loading, getattr(scheduler, CAP)))
+
+    result = run_requests(scheduler, requests, StepTimeModel(base=0.01, per_seq=0.0, per_kv_token=0.0,
+                                                             per_prefill_token=0.0),
+                          load_s_per_token=0.0005, cap_attr=CAP, observe=observe)
+    assert all(len(r.output_token_ids) == 200 for r in requests)
+    assert result.preemptions >= 5 and max(loading for _, loading, _ in seen) >= 2
+    assert all(running + loading <= cap for running, loading, cap in seen[3:]), seen
 
 
 @pytest.mark.parametrize("policy, order", [("static", None), ("forecast", "least_computed"),

@@ -1,0 +1,210 @@
+"""vLLM's own scheduler, ours or its default, driven without a model in simulated time: the check on the simulator
+where what matters is vLLM's code rather than ours (rollout/sim/engine.py re-implements vLLM's loop and leaves
+out its KV connectors).
+
+The scheduler (rollout.vllm_adapter's, or vLLM's `Scheduler` at a static cap) is built from a VllmConfig over a
+model folder holding only a config.json, as vLLM's own scheduler tests build theirs; each step every scheduled
+request whose prompt is computed samples one token, and the step takes what the fitted `StepTimeModel` says. With
+`host_offload_bytes`, vLLM's OffloadingConnector runs its scheduler side: a load (a preempted request resuming)
+completes once the host link has moved its tokens, the link carrying one load at a time, while the engine steps on;
+a store completes at the end of the step that asked for it (write-through, a block at a time, on its own stream).
+Not modelled: async scheduling's one-step overlap, the worker's copies themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rollout.sim.engine import StepTimeModel
+
+TOKEN = 7  # what every request samples
+
+
+def config_only_model(folder: Path, vocab_size: int = 1024, max_model_len: int = 2048) -> Path:
+    """A model folder vLLM's config reads: a one-layer Llama's config.json, no weights, no tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+        "head_dim": 64, "max_position_embeddings": max_model_len, "torch_dtype": "float32"}))
+    return folder
+
+
+def build_scheduler(model_dir, additional_config: dict | None, *, num_blocks: int, block_size: int = 16,
+                    max_num_seqs: int = 8, max_num_batched_tokens: int = 512, max_model_len: int = 1024, cls=None,
+                    async_scheduling: bool = False, prefix_caching: bool = False,
+                    host_offload_bytes: int | None = None):
+    """`cls` (vLLM's `Scheduler` where None) over `num_blocks` KV blocks (one of them vLLM's null block), with
+    `additional_config` (rollout's scheduler reads its settings there: rollout.vllm_adapter.adapter_settings).
+    `host_offload_bytes`: vLLM's native KV offloading to that much host memory (model.kv_offloading_gib), its
+    scheduler side."""
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True,
+                        max_model_len=max_model_len)
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=max_model_len, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching),
+        kv_transfer_config=None if host_offload_bytes is None else KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": host_offload_bytes, "offload_prompt_only": False}),
+        additional_config=additional_config or {})
+    config.cache_config.num_gpu_blocks = num_blocks
+    # As a GPU engine's config has it (vLLM's CPU platform turns async scheduling off while building the config).
+    config.scheduler_config.async_scheduling = async_scheduling
+    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    return (cls or Scheduler)(vllm_config=config, kv_cache_config=kv_cache, block_size=block_size, log_stats=False,
+                              structured_output_manager=StructuredOutputManager(config))
+
+
+@dataclass
+class LoopResult:
+    makespan_s: float = 0.0
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    running: list = field(default_factory=list)  # requests running after each step
+    loading: list = field(default_factory=list)  # requests whose blocks a load holds, after each step
+    caps: list = field(default_factory=list)  # the admission cap at each step
+    started_s: dict = field(default_factory=dict)  # request id -> the clock at its first scheduled step
+    finished_s: dict = field(default_factory=dict)  # request id -> the clock when it finished
+    preempted: dict = field(default_factory=dict)  # request id -> times it was preempted
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.makespan_s if self.makespan_s else 0.0
+
+
+def run_requests(scheduler, requests: list, step_time: StepTimeModel, *, load_s_per_token: float = 0.0,
+                 cap_attr: str | None = None, max_steps: int = 10 ** 7, observe=None) -> LoopResult:
+    """Add `requests` (vLLM Request objects, in submission order) to `scheduler` and step it until all finish.
+    `observe(clock, scheduler)`: called after each step."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    loads = None
+    if scheduler.connector is not None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        loads = []  # (done at, job id, request id)
+    by_id = {r.request_id: r for r in requests}
+    for r in requests:
+        scheduler.add_request(r)
+    result = LoopResult()
+    clock = link_free = 0.0
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule()
+        result.preemptions += len(output.preempted_req_ids or ())
+        for request_id in output.preempted_req_ids or ():
+            result.preempted[request_id] = result.preempted.get(request_id, 0) + 1
+        ids = list(output.num_scheduled_tokens)
+        sampled = [[] if by_id[i].is_prefill_chunk else [TOKEN] for i in ids]
+        decode = sum(n == 1 and bool(s) for n, s in zip(output.num_scheduled_tokens.values(), sampled))
+        prefill = output.total_num_scheduled_tokens - decode
+        kv_read = sum(by_id[i].num_computed_tokens - n for i, n in output.num_scheduled_tokens.items())
+        began = clock
+        clock += step_time(decode, kv_read, prefill) if ids else 0.0
+        transferred = None
+        if loads is not None:
+            meta = output.kv_connector_metadata
+            for job_id, job in meta.load_jobs.items():
+                link_free = max(link_free, clock) + by_id[job.req_id].num_computed_tokens * load_s_per_token
+                loads.append((link_free, job_id, job.req_id))
+            if not ids and loads:  # nothing to run until a load completes
+                clock = max(clock, min(done for done, _, _ in loads))
+            done = [load for load in loads if load[0] <= clock]
+            loads = [load for load in loads if load[0] > clock]
+            transferred = KVConnectorOutput(
+                finished_recving={request_id for _, _, request_id in done} or None,
+                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs={
+                    **dict.fromkeys(meta.store_jobs, 1), **{job_id: 1 for _, job_id, _ in done}}))
+        for request_id in ids:
+            result.started_s.setdefault(request_id, began)
+        outputs = scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)}, sampled_token_ids=sampled,
+            kv_connector_output=transferred))
+        for engine in outputs.values():
+            for finished in engine.outputs:
+                if finished.finish_reason is not None:
+                    result.finished_s[finished.request_id] = clock
+        result.steps += 1
+        if observe is not None:
+            observe(clock, scheduler)
+        result.running.append(len(scheduler.running))
+        result.loading.append(sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in scheduler.requests.values())
+                              if loads is not None else 0)
+        result.caps.append(getattr(scheduler, cap_attr) if cap_attr else scheduler.max_num_running_reqs)
+    else:
+        raise RuntimeError(f"requests left after {max_steps} steps: {scheduler.get_request_counts()}")
+    result.makespan_s = clock
+    result.generated_tokens = sum(len(r.output_token_ids) for r in requests)
+    return result
+
+
+def profile_pass(bench, profile, name: str, step_time: StepTimeModel, work: Path, *, kv_bytes_per_token: int,
+                 iteration: int = 0, block_size: int = 16, token_budget: int = 16384,
+                 observe=None) -> tuple[LoopResult, list]:
+    """One pass (`iteration`, the first where 0) of a bench profile under scheduler `name` (rollout.suite's names;
+    `vllm`: vLLM's own Scheduler at its default cap), as rollout.suite submits it, on a fresh scheduler (so a later
+    iteration runs without what earlier ones taught). Returns the result and the adapter's trace records."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from rollout.config import PolicyConfig
+    from rollout.policy.probes import probe_first_order
+    from rollout.sim.engine import HOST_LINK_BYTES_PER_S
+    from rollout.sim.runs import VLLM_DEFAULT_MAX_NUM_SEQS, scheduler_settings
+    from rollout.vllm_adapter import (CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, DynamicBatchScheduler, adapter_settings)
+    from rollout.workloads import longest_first, profile_requests
+
+    ours = name.split(":")[0] != "vllm"
+    settings = scheduler_settings(bench, name) if ours else {}
+    requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
+    if name.split(":")[0] == "oracle":
+        requests = longest_first(requests)
+    elif iteration == 0 and settings.get("order") == "longest_first" and settings.get("probe_first",
+                                                                                     PolicyConfig.probe_first):
+        # As RolloutEngine submits a pass of prompts it never saw: a probe of each prompt first, its siblings last.
+        positions, _ = probe_first_order([r.group for r in requests], [True] * len(requests))
+        requests = [requests[k] for k in positions]
+    kv_tokens = profile.kv_cache_memory_bytes // kv_bytes_per_token
+    max_model_len = 1 << math.ceil(math.log2(max(len(r.prompt.token_ids) + r.output_tokens for r in requests) + 1))
+    model_dir = config_only_model(work / "model", bench.vocab_size, max_model_len)
+    trace = work / f"{name.replace(':', '_')}-{iteration}.jsonl"
+    host = int(bench.kv_offloading_gib * 2 ** 30) if bench.kv_offloading_gib else None
+    scheduler = build_scheduler(
+        model_dir, adapter_settings(settings, str(trace), None, None, None) if ours else None,
+        num_blocks=kv_tokens // block_size + 1, block_size=block_size,
+        max_num_seqs=int(settings["b_max"]) if ours else VLLM_DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens=token_budget, max_model_len=max_model_len,
+        cls=DynamicBatchScheduler if ours else None, prefix_caching=bench.prefix_caching, host_offload_bytes=host)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(block_size, sha256) if bench.prefix_caching else None
+    vllm_requests = [Request(request_id=f"{k}", prompt_token_ids=list(r.prompt.token_ids), pooling_params=None,
+                             sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, extra_args={
+                                 NOMINAL_MAX_TOKENS_KEY: profile.max_output}), block_hasher=hasher)
+                     for k, r in enumerate(requests)]
+    try:
+        result = run_requests(scheduler, vllm_requests, step_time,
+                              load_s_per_token=kv_bytes_per_token / HOST_LINK_BYTES_PER_S,
+                              cap_attr=CAP_ATTR if ours else None, observe=observe)
+    finally:
+        scheduler.shutdown()
+    records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.is_file() else []
+    return result, [r for r in records if "step" in r]
