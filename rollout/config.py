@@ -96,7 +96,8 @@ class ModelConfig:
         "sets up, here storing generated tokens as well as prompts): each full KV block is also written to host "
         "memory, and a preempted request, when it resumes, loads what it had computed from there instead of "
         "computing it again; null: off. GPU only; experimental: on an H200 it recomputed far less but ran slower, "
-        "preempting twelve times as often (docs/results.md, tail-bound).")})
+        "preempting twelve times as often, before requests loading their blocks counted against the cap; with "
+        "that fix it has not run on a GPU (docs/results.md, tail-bound).")})
     engine_kwargs: dict = field(default_factory=dict, metadata={"help": (
         "Extra keyword arguments for vllm.LLM (e.g. compilation_config on GPU); they win over the settings "
         "above.")})
