@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,14 @@ import numpy as np
 
 from rollout.sim.engine import StepTimeModel
 
-TOKEN = 7  # what every request samples
+
+
+def sampled_token(request_id: str) -> int:
+    """What request `request_id` samples at every step: its own token, so that samples of one prompt differ as
+    real samples do. Were they alike, a prompt's samples would share their generated blocks in the prefix cache,
+    and a preempted one would find what it had computed among its siblings' blocks (on tail-bound's first pass
+    a tenth of what preemptions threw away was then computed again, where an H200 computed two thirds again)."""
+    return 1 + zlib.crc32(request_id.encode()) % 997
 
 
 def config_only_model(folder: Path, vocab_size: int = 1024, max_model_len: int = 2048) -> Path:
@@ -100,6 +108,7 @@ def run_requests(scheduler, requests: list, step_time: StepTimeModel, *, load_s_
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
         loads = []  # (done at, job id, request id)
     by_id = {r.request_id: r for r in requests}
+    tokens = {r.request_id: sampled_token(r.request_id) for r in requests}
     for r in requests:
         scheduler.add_request(r)
     result = LoopResult()
@@ -112,7 +121,7 @@ def run_requests(scheduler, requests: list, step_time: StepTimeModel, *, load_s_
         for request_id in output.preempted_req_ids or ():
             result.preempted[request_id] = result.preempted.get(request_id, 0) + 1
         ids = list(output.num_scheduled_tokens)
-        sampled = [[] if by_id[i].is_prefill_chunk else [TOKEN] for i in ids]
+        sampled = [[] if by_id[i].is_prefill_chunk else [tokens[i]] for i in ids]
         decode = sum(n == 1 and bool(s) for n, s in zip(output.num_scheduled_tokens.values(), sampled))
         prefill = output.total_num_scheduled_tokens - decode
         kv_read = sum(by_id[i].num_computed_tokens - n for i, n in output.num_scheduled_tokens.items())
@@ -155,56 +164,74 @@ def run_requests(scheduler, requests: list, step_time: StepTimeModel, *, load_s_
     return result
 
 
-def profile_pass(bench, profile, name: str, step_time: StepTimeModel, work: Path, *, kv_bytes_per_token: int,
-                 iteration: int = 0, block_size: int = 16, token_budget: int = 16384,
-                 observe=None) -> tuple[LoopResult, list]:
-    """One pass (`iteration`, the first where 0) of a bench profile under scheduler `name` (rollout.suite's names;
-    `vllm`: vLLM's own Scheduler at its default cap), as rollout.suite submits it, on a fresh scheduler (so a later
-    iteration runs without what earlier ones taught). Returns the result and the adapter's trace records."""
+def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path, *, kv_bytes_per_token: int,
+                iterations: int | None = None, block_size: int = 16, token_budget: int = 16384,
+                observe=None) -> list[tuple[LoopResult, list]]:
+    """A bench profile's passes (`iterations`, the profile's where None) under scheduler `name` (rollout.suite's
+    names; `vllm`: vLLM's own Scheduler at its default cap) on one scheduler, submitted as RolloutEngine submits
+    them: for a policy that orders longest first, by what the scheduler's per-prompt memory learned, a probe of
+    each prompt it never saw first. Returns each pass's result and the adapter's trace records of its steps."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     from rollout.config import PolicyConfig
+    from rollout.engine import submission_plan
+    from rollout.policy.length_stats import prompt_key
     from rollout.policy.probes import probe_first_order
     from rollout.sim.engine import HOST_LINK_BYTES_PER_S
     from rollout.sim.runs import VLLM_DEFAULT_MAX_NUM_SEQS, scheduler_settings
-    from rollout.vllm_adapter import (CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, DynamicBatchScheduler, adapter_settings)
+    from rollout.vllm_adapter import CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, DynamicBatchScheduler, adapter_settings
     from rollout.workloads import longest_first, profile_requests
 
     ours = name.split(":")[0] != "vllm"
     settings = scheduler_settings(bench, name) if ours else {}
-    requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
-    if name.split(":")[0] == "oracle":
-        requests = longest_first(requests)
-    elif iteration == 0 and settings.get("order") == "longest_first" and settings.get("probe_first",
-                                                                                     PolicyConfig.probe_first):
-        # As RolloutEngine submits a pass of prompts it never saw: a probe of each prompt first, its siblings last.
-        positions, _ = probe_first_order([r.group for r in requests], [True] * len(requests))
-        requests = [requests[k] for k in positions]
-    kv_tokens = profile.kv_cache_memory_bytes // kv_bytes_per_token
-    max_model_len = 1 << math.ceil(math.log2(max(len(r.prompt.token_ids) + r.output_tokens for r in requests) + 1))
+    learns = settings.get("order") == "longest_first"
+    probes = learns and settings.get("probe_first", PolicyConfig.probe_first)
+    passes = [profile_requests(profile, k, bench.seed, bench.vocab_size)
+              for k in range(profile.iterations if iterations is None else iterations)]
+    longest = max(len(r.prompt.token_ids) + r.output_tokens for requests in passes for r in requests)
+    max_model_len = 1 << math.ceil(math.log2(longest + 1))
     model_dir = config_only_model(work / "model", bench.vocab_size, max_model_len)
-    trace = work / f"{name.replace(':', '_')}-{iteration}.jsonl"
+    trace = work / f"{name.replace(':', '_')}.jsonl"
     host = int(bench.kv_offloading_gib * 2 ** 30) if bench.kv_offloading_gib else None
     scheduler = build_scheduler(
         model_dir, adapter_settings(settings, str(trace), None, None, None) if ours else None,
-        num_blocks=kv_tokens // block_size + 1, block_size=block_size,
+        num_blocks=profile.kv_cache_memory_bytes // kv_bytes_per_token // block_size + 1, block_size=block_size,
         max_num_seqs=int(settings["b_max"]) if ours else VLLM_DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens=token_budget, max_model_len=max_model_len,
         cls=DynamicBatchScheduler if ours else None, prefix_caching=bench.prefix_caching, host_offload_bytes=host)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(block_size, sha256) if bench.prefix_caching else None
-    vllm_requests = [Request(request_id=f"{k}", prompt_token_ids=list(r.prompt.token_ids), pooling_params=None,
-                             sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, extra_args={
-                                 NOMINAL_MAX_TOKENS_KEY: profile.max_output}), block_hasher=hasher)
-                     for k, r in enumerate(requests)]
+    results = []
     try:
-        result = run_requests(scheduler, vllm_requests, step_time,
-                              load_s_per_token=kv_bytes_per_token / HOST_LINK_BYTES_PER_S,
-                              cap_attr=CAP_ATTR if ours else None, observe=observe)
+        for iteration, requests in enumerate(passes):
+            if name.split(":")[0] == "oracle":
+                requests = longest_first(requests)
+            elif learns:
+                keys = [prompt_key(r.prompt.token_ids) for r in requests]
+                lengths = scheduler.memory.lengths
+                order = submission_plan(lengths, keys, "longest_first")
+                if probes:
+                    unknown = np.isnan(lengths.predict(keys))
+                    positions, _ = probe_first_order([requests[i].group for i in order], [unknown[i] for i in order])
+                    order = [order[k] for k in positions]
+                requests = [requests[i] for i in order]
+            vllm_requests = [
+                Request(request_id=f"{iteration}-{k}", prompt_token_ids=list(r.prompt.token_ids), pooling_params=None,
+                        sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, extra_args={
+                            NOMINAL_MAX_TOKENS_KEY: profile.max_output}), block_hasher=hasher)
+                for k, r in enumerate(requests)]
+            results.append(run_requests(scheduler, vllm_requests, step_time,
+                                        load_s_per_token=kv_bytes_per_token / HOST_LINK_BYTES_PER_S,
+                                        cap_attr=CAP_ATTR if ours else None, observe=observe))
     finally:
         scheduler.shutdown()
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.is_file() else []
-    return result, [r for r in records if "step" in r]
+    records = [r for r in records if "step" in r]
+    split, first = [], 0
+    for result in results:  # the adapter numbers its steps from the engine's start
+        split.append([r for r in records if first < r["step"] <= first + result.steps])
+        first += result.steps
+    return list(zip(results, split)) if records else [(result, []) for result in results]
