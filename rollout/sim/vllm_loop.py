@@ -80,6 +80,8 @@ def build_scheduler(model_dir, additional_config: dict | None, *, num_blocks: in
 
 @dataclass
 class LoopResult:
+    """One pass through vLLM's scheduler: its clock and tokens, and what the scheduler did at each step."""
+
     makespan_s: float = 0.0
     generated_tokens: int = 0
     steps: int = 0
