@@ -43,6 +43,7 @@ class StepRecord(NamedTuple):
     token_budget: int | None  # the step's token budget where the policy set one
     length_scaled: bool  # some request of the pass carried a predicted length scale
     policy_fields: dict  # the policy's trace_fields() as it last answered
+    kv_held: int = 0  # after schedule(): requests holding KV blocks outside the running set (loading them)
 
 
 class StepDone(NamedTuple):
@@ -86,6 +87,8 @@ def record_dict(record: StepRecord, done: StepDone | None, t0: float) -> dict:
     }
     if record.recovered_tokens:
         out["recovered_tokens"] = record.recovered_tokens
+    if record.kv_held:
+        out["kv_held"] = record.kv_held
     if record.policy_cpu_s is not None:
         out["policy_cpu_us"] = round(record.policy_cpu_s * 1e6, 1)
     if record.policy_skipped:

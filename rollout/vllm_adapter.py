@@ -507,7 +507,7 @@ class _DynamicBatchMixin:
                 len(getattr(output, "preempted_req_ids", None) or ()), output.total_num_scheduled_tokens,
                 self._finished, self._recomputed, recovered, policy_s, policy_cpu_s, skipped, describe_cpu_us,
                 None if budget is None else self.max_num_scheduled_tokens, self.pass_state.scaled,
-                self._policy_fields)
+                self._policy_fields, len(self._outside_running()[0]) if self.connector is not None else 0)
         for lost in self.timer.scheduled(output, step_start, record):
             self.trace.add(lost, None)
         self.timer.add_adapter(time.perf_counter() - base_ended)

@@ -473,13 +473,14 @@ def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(
     assert recomputed - recovered <= sum(computed_again) and recovered > 0
 
 
-def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(build):
+def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(build, tmp_path):
     """vLLM starts a KV load for every waiting request whose blocks host memory holds, as long as blocks are free,
     and counts none against the cap: a loading request waits outside the running set, holding its blocks. Ten
     requests of 40 prompt and 200 output tokens, admitted at once (the cap forced) into 39 usable blocks, are
     preempted in turn; then the cap admits one more than the policy is told runs, and a load lasts about five
     steps. After every step the running requests and those loading are within the cap: the policy is shown the
-    loading ones as running, and vLLM reaches only as many waiting requests as the cap has room for."""
+    loading ones as running, and vLLM reaches only as many waiting requests as the cap has room for. The trace
+    counts them at each step (`kv_held`)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -501,6 +502,9 @@ def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(bu
     assert all(len(r.output_token_ids) == 200 for r in requests)
     assert result.preemptions >= 5 and max(loading for _, loading, _ in seen) >= 2
     assert all(running + loading <= cap for running, loading, cap in seen[3:]), seen
+    steps = trace_steps(tmp_path / "trace.jsonl")[3:]
+    assert max(s.get("kv_held", 0) for s in steps) >= 2
+    assert all(s["running"] + s.get("kv_held", 0) <= s["cap"] for s in steps)
 
 
 @pytest.mark.parametrize("policy, order", [("static", None), ("forecast", "least_computed"),
