@@ -526,12 +526,12 @@ class _DynamicBatchMixin:
 
     def _meter(self, room: int, front: list) -> list[tuple]:
         """Under a KV connector vLLM starts a load for every waiting request whose blocks it finds, as long as blocks
-        are free, and counts none of them against the cap (a loading request is not running): after a preemption
-        the preempted requests' loads took the blocks the forecast had left for the running ones' growth, and the
-        running ones were preempted in turn. So only `room` requests that hold no blocks (`front` first, then the
-        waiting queue's head) are left where vLLM's admission loop reaches them; the others are taken out for
-        this step. Returns (queue, requests taken out of it, in order), for schedule() to put back behind what the
-        step leaves there. Priority queues (heaps) keep their order themselves and are left whole."""
+        are free, and counts none of them against the cap (a loading request is not running): the preempted
+        requests' loads would take the blocks the forecast leaves for the running ones' growth, and those would be
+        preempted in turn. So only `room` requests that hold no blocks (`front` first, then the waiting queue's
+        head) are left where vLLM's admission loop reaches them; the others are taken out for this step. Returns
+        (queue, requests taken out of it, in order), for schedule() to put back behind what the step leaves there.
+        Priority queues (heaps) keep their order themselves and are left whole."""
         hidden = []
         held_queue = getattr(self, HELD_QUEUE, None) if HELD_QUEUE else None
         room = max(room, 0)
