@@ -2,8 +2,9 @@
 adapter or vLLM's default, vLLM's KV connectors included, the step time from the simulator's H200 fit (as
 scripts/simulate_policies.py). Prints, per profile, seed and scheduler: tok/s over the passes and its ratio to
 the first scheduler listed, each pass's ratio, preemptions, the recomputed share (net of what resumed requests
-found cached; ours only: it reads the adapter's trace), the most requests loading KV blocks at once, and the most
-by which running and loading requests together exceeded the admission cap.
+found cached; ours only: it reads the adapter's trace), the most requests loading KV blocks at once, the most
+by which running and loading requests together exceeded the admission cap, and when each pass's longest tenth
+had finished against the pass's end.
 
     python scripts/vllm_loop_policies.py --kv-bytes=57344 --seeds=0,1,2 vllm,forecast-lpt \\
       "only=[tail-bound]" profiles.5.num_prompts=96 profiles.5.kv_cache_memory_bytes=8589934592 [kv_offloading_gib=32]
@@ -61,7 +62,9 @@ def main(argv: list[str]) -> None:
                       f"{sum(r.preemptions for r in results)} preemptions, recomputed "
                       f"{recomputed / tokens:.1%} ({net / tokens:.1%} net), "
                       f"at most {max(max(r.loading) for r in results)} loading, running + loading at most "
-                      f"{over_cap} over the cap", flush=True)
+                      f"{over_cap} over the cap; the longest tenth done at "
+                      f"{' / '.join(f'{r.longest_tenth_done_s:.0f} of {r.makespan_s:.0f} s' for r in results)}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ class LoopResult:
     started_s: dict = field(default_factory=dict)  # request id -> the clock at its first scheduled step
     finished_s: dict = field(default_factory=dict)  # request id -> the clock when it finished
     preempted: dict = field(default_factory=dict)  # request id -> times it was preempted
+    longest_tenth_done_s: float = 0.0  # when the pass's longest tenth (by max_tokens) had all finished
 
     @property
     def tokens_per_s(self) -> float:
@@ -162,6 +163,9 @@ def run_requests(scheduler, requests: list, step_time: StepTimeModel, *, load_s_
     else:
         raise RuntimeError(f"requests left after {max_steps} steps: {scheduler.get_request_counts()}")
     result.makespan_s = clock
+    cut = np.quantile([r.max_tokens for r in requests], 0.9) if requests else 0
+    result.longest_tenth_done_s = max((result.finished_s.get(r.request_id, clock) for r in requests
+                                       if r.max_tokens >= cut), default=0.0)
     result.generated_tokens = sum(len(r.output_token_ids) for r in requests)
     return result
 
