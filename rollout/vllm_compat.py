@@ -57,7 +57,7 @@ def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type |
 
     missing = [f"Scheduler.{name}()" for name in SCHEDULER_METHODS if not callable(getattr(scheduler_cls, name, None))]
     missing += [f"Scheduler.{name}" for name in SCHEDULER_ATTRIBUTES if not _has_attribute(scheduler_cls, name)]
-    cap = next((name for name in CAP_ATTRIBUTES if _has_attribute(scheduler_cls, name)), None)
+    cap = _first_present(scheduler_cls, CAP_ATTRIBUTES)
     if cap is None:
         missing.append("Scheduler." + " or Scheduler.".join(CAP_ATTRIBUTES))
     missing += [f"KVCacheManager.{name}" for name in ("block_pool", "usage")
@@ -77,7 +77,12 @@ def held_queue_attribute(scheduler_cls: type | None = None) -> str | None:
         from vllm.v1.core.sched.scheduler import Scheduler
 
         scheduler_cls = Scheduler
-    return next((name for name in HELD_QUEUES if _has_attribute(scheduler_cls, name)), None)
+    return _first_present(scheduler_cls, HELD_QUEUES)
+
+
+def _first_present(cls: type, names: tuple[str, ...]) -> str | None:
+    """The first of `names` that instances of `cls` have, or None."""
+    return next((name for name in names if _has_attribute(cls, name)), None)
 
 
 def _has_attribute(cls: type, name: str) -> bool:

@@ -202,8 +202,9 @@ def simulate_steps(requests: list[tuple[int, int]], policy, *, kv_capacity_block
     `ask_every_step`: call the policy at every step, also where its `steady_until` says its answer stands (the
     adapter does not). `speculation`: speculative decoding as `Speculation` models it (None: none).
     `feed(clock, waiting, running, cap)`: the positions in `requests` that reach the engine after a step (and
-    before the first), as a data-parallel dispatcher hands them over; then only those run, and the pass ends when the engine is empty and `feed` gives none. `order_arrivals`: the
-    waiting queue is put in `arrival_order` as requests arrive, as the adapter does with its per-prompt memory."""
+    before the first), as a data-parallel dispatcher hands them over; then only those run, and the pass ends when
+    the engine is empty and `feed` gives none. `order_arrivals`: the waiting queue is put in `arrival_order` as
+    requests arrive, as the adapter does with its per-prompt memory."""
     queue = [SimRequest(*r, row=k) for k, r in enumerate(requests)]
     first = 0 if feed is not None else len(queue) if requests_at_first_step is None else max(
         requests_at_first_step, 1)

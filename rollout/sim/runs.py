@@ -52,6 +52,26 @@ def scheduler_settings(bench: BenchConfig, name: str) -> dict:
     return scheduler_policy(bench, name)
 
 
+def probes_first(settings: dict) -> bool:
+    """Whether a scheduler's settings (`scheduler_settings`) have a pass's unseen prompts probed: RolloutEngine
+    does it under policy.order `longest_first` with policy.probe_first."""
+    return settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
+
+
+def engine_submission(lengths: PromptLengths, requests: list, keys: list[str], probes: bool) -> list[int]:
+    """Positions of a pass's `requests` (their prompts' `keys`) in the order RolloutEngine submits them under
+    policy.order `longest_first`: longest predicted first by the scheduler's memory (`lengths`), and with `probes`
+    a probe of each prompt never seen first and its siblings last."""
+    from rollout.engine import submission_plan
+
+    order = submission_plan(lengths, keys, "longest_first")
+    if probes:
+        unknown = np.isnan(lengths.predict(keys))
+        positions, _ = probe_first_order([requests[i].group for i in order], [unknown[i] for i in order])
+        order = [order[k] for k in positions]
+    return order
+
+
 def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step_time: StepTimeModel, *,
                      kv_capacity_tokens: int, block_size: int = 16, token_budget: int = 16384,
                      keep_trace: bool = False, speculation=None, share=None) -> ProfileRun:
@@ -59,11 +79,9 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
     for one engine of several (data parallel), which learns only from what it runs. With the bench's
     `kv_offloading_gib`, the engine offloads KV blocks to that much host memory (`HostOffload`), a token's KV
     bytes being the profile's cache bytes over `kv_capacity_tokens`."""
-    from rollout.engine import submission_plan
-
     settings = scheduler_settings(bench, name)
     learns = settings.get("order") == "longest_first"
-    probes = learns and settings.get("probe_first", PolicyConfig.probe_first)
+    probes = probes_first(settings)
     policy = make_policy(settings, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
     memory = PromptMemory(None, "longest_first", probes)  # the scheduler's (rollout.vllm_adapter)
     offload = None
@@ -85,13 +103,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
             requests = longest_first(requests)
             rows = [(len(r.prompt.token_ids), r.output_tokens, 1.0, r.group) for r in requests]
         elif learns:
-            # As RolloutEngine submits: longest predicted first by the scheduler's memory, a probe of each prompt
-            # never seen first and its siblings last.
-            order = submission_plan(memory.lengths, keys, "longest_first")
-            if probes:
-                unknown = np.isnan(memory.lengths.predict(keys))
-                positions, _ = probe_first_order([requests[i].group for i in order], [unknown[i] for i in order])
-                order = [order[k] for k in positions]
+            order = engine_submission(memory.lengths, requests, keys, probes)
             requests, keys = [requests[i] for i in order], [keys[i] for i in order]
             # As the scheduler takes them: the pass's prior, each request's scale and probe, its queue's order.
             prior = memory.open_pass()
@@ -142,7 +154,7 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
     from rollout.sim.engine import simulate_steps
 
     settings = scheduler_settings(bench, name)
-    probes = settings.get("order") == "longest_first" and settings.get("probe_first", PolicyConfig.probe_first)
+    probes = probes_first(settings)
     policies = [make_policy(settings, graph_batch=step_time.graph_batch) for _ in range(engines)]
     b_max = max(int(settings["b_max"]), 1)
     memory = PromptLengths()

@@ -24,7 +24,6 @@ import numpy as np
 from rollout.sim.engine import StepTimeModel
 
 
-
 def sampled_token(request_id: str) -> int:
     """What request `request_id` samples at every step: its own token, so that samples of one prompt differ as
     real samples do. Were they alike, a prompt's samples would share their generated blocks in the prefix cache,
@@ -182,19 +181,16 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from rollout.config import PolicyConfig
-    from rollout.engine import submission_plan
     from rollout.policy.length_stats import prompt_key
-    from rollout.policy.probes import probe_first_order
     from rollout.sim.engine import HOST_LINK_BYTES_PER_S
-    from rollout.sim.runs import VLLM_DEFAULT_MAX_NUM_SEQS, scheduler_settings
+    from rollout.sim.runs import VLLM_DEFAULT_MAX_NUM_SEQS, engine_submission, probes_first, scheduler_settings
     from rollout.vllm_adapter import CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, DynamicBatchScheduler, adapter_settings
     from rollout.workloads import longest_first, profile_requests
 
     ours = name.split(":")[0] != "vllm"
     settings = scheduler_settings(bench, name) if ours else {}
     learns = settings.get("order") == "longest_first"
-    probes = learns and settings.get("probe_first", PolicyConfig.probe_first)
+    probes = probes_first(settings)
     passes = [profile_requests(profile, k, bench.seed, bench.vocab_size)
               for k in range(profile.iterations if iterations is None else iterations)]
     longest = max(len(r.prompt.token_ids) + r.output_tokens for requests in passes for r in requests)
@@ -217,13 +213,7 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
                 requests = longest_first(requests)
             elif learns:
                 keys = [prompt_key(r.prompt.token_ids) for r in requests]
-                lengths = scheduler.memory.lengths
-                order = submission_plan(lengths, keys, "longest_first")
-                if probes:
-                    unknown = np.isnan(lengths.predict(keys))
-                    positions, _ = probe_first_order([requests[i].group for i in order], [unknown[i] for i in order])
-                    order = [order[k] for k in positions]
-                requests = [requests[i] for i in order]
+                requests = [requests[i] for i in engine_submission(scheduler.memory.lengths, requests, keys, probes)]
             vllm_requests = [
                 Request(request_id=f"{iteration}-{k}", prompt_token_ids=list(r.prompt.token_ids), pooling_params=None,
                         sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, extra_args={
