@@ -13,12 +13,12 @@ import itertools
 from pathlib import Path
 
 from rollout.sim import Speculation
-from rollout.sim.fit import fit_step_time, step_rows
+from rollout.sim.fit import LLAMA_8B_KV_BYTES_PER_TOKEN, h200_step_model
 from rollout.sim.runs import simulate_profile
 from rollout.suite import load_bench_config
 
 ROOT = Path(__file__).resolve().parent.parent
-KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B shape
+KV_BYTES_PER_TOKEN = LLAMA_8B_KV_BYTES_PER_TOKEN
 
 
 def main() -> None:
@@ -28,8 +28,7 @@ def main() -> None:
     parser.add_argument("--acceptance", default="0.5,0.7,0.8", help="per-token acceptance, comma-separated")
     parser.add_argument("--max-batch", default="16,64", help="speculate where at most this many decode")
     args = parser.parse_args()
-    model, _ = fit_step_time(step_rows(ROOT / "configs" / "sim" / "kv-bound-h200-steps.jsonl.gz"),
-                             per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
+    model = h200_step_model(KV_BYTES_PER_TOKEN)
     bench = load_bench_config(str(ROOT / "configs" / "bench" / "gpu.yaml"), args.overrides)
     for profile in bench.profiles:
         def run(name, speculation=None):

@@ -21,18 +21,17 @@ from pathlib import Path
 import numpy as np
 
 from rollout.parallel import split_by_work
-from rollout.sim.fit import fit_step_time, step_rows
+from rollout.sim.fit import LLAMA_8B_KV_BYTES_PER_TOKEN, h200_step_model
 from rollout.sim.runs import simulate_parallel, simulate_profile
 from rollout.suite import load_bench_config
 from rollout.workloads import profile_requests
 
 ROOT = Path(__file__).resolve().parent.parent
-KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B shape
+KV_BYTES_PER_TOKEN = LLAMA_8B_KV_BYTES_PER_TOKEN
 if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
     sys.exit(__doc__)
 engines, splits = int(sys.argv[1]), sys.argv[2].split(",")
-model, _ = fit_step_time(step_rows(ROOT / "configs" / "sim" / "kv-bound-h200-steps.jsonl.gz"),
-                         per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
+model = h200_step_model(KV_BYTES_PER_TOKEN)
 bench = load_bench_config(str(ROOT / "configs" / "bench" / "gpu.yaml"), sys.argv[3:])
 
 

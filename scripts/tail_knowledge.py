@@ -12,17 +12,16 @@ import numpy as np
 
 from rollout.policy import make_policy
 from rollout.sim.engine import simulate
-from rollout.sim.fit import fit_step_time, step_rows
+from rollout.sim.fit import LLAMA_8B_KV_BYTES_PER_TOKEN, h200_step_model
 from rollout.sim.runs import REQUESTS_AT_FIRST_STEP, scheduler_settings
 from rollout.suite import load_bench_config
 from rollout.workloads import profile_requests
 
 ROOT = Path(__file__).resolve().parent.parent
-KV_BYTES_PER_TOKEN = 128 * 1024
+KV_BYTES_PER_TOKEN = LLAMA_8B_KV_BYTES_PER_TOKEN
 if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
     sys.exit(__doc__)
-model, _ = fit_step_time(step_rows(ROOT / "configs" / "sim" / "kv-bound-h200-steps.jsonl.gz"),
-                         per_kv_token=KV_BYTES_PER_TOKEN / 4.0e12)
+model = h200_step_model(KV_BYTES_PER_TOKEN)
 bench = load_bench_config(str(ROOT / "configs" / "bench" / "gpu.yaml"), ["only=[tail-bound]"])
 profile = bench.profiles[0]
 iteration = int(sys.argv[2]) if len(sys.argv) > 2 else 0

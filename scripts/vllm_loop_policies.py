@@ -17,35 +17,23 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout.sim.fit import fit_step_time, step_rows
+from rollout.sim.fit import h200_step_model
 from rollout.sim.vllm_loop import profile_run
 from rollout.suite import load_bench_config
-
-ROOT = Path(__file__).resolve().parent.parent
-STEPS = ROOT / "configs" / "sim" / "kv-bound-h200-steps.jsonl.gz"
+from simulate_policies import GPU_BENCH, arguments
 
 
 def main(argv: list[str]) -> None:
-    kv_bytes, seeds = 128 * 1024, [0]
-    while argv and argv[0].startswith("--"):
-        key, _, value = argv.pop(0).partition("=")
-        if key == "--kv-bytes":
-            kv_bytes = int(value)
-        elif key == "--seeds":
-            seeds = [int(seed) for seed in value.split(",")]
-        else:
-            sys.exit(f"unknown option {key}\n{__doc__}")
-    if not argv:
-        sys.exit(__doc__)
-    model, _ = fit_step_time(step_rows(STEPS), per_kv_token=kv_bytes / 4.0e12)
-    names, overrides = argv[0].split(","), argv[1:]
-    for seed in seeds:
-        bench = load_bench_config(str(ROOT / "configs" / "bench" / "gpu.yaml"), [*overrides, f"seed={seed}"])
+    args = arguments(__doc__, argv)
+    model = h200_step_model(args.kv_bytes, h100=args.h100)
+    names = args.schedulers
+    for seed in args.seeds or [0]:
+        bench = load_bench_config(str(GPU_BENCH), [*args.overrides, f"seed={seed}"])
         for profile in bench.profiles:
             first = None
             for name in names:
                 with tempfile.TemporaryDirectory() as work:
-                    passes = profile_run(bench, profile, name, model, Path(work), kv_bytes_per_token=kv_bytes)
+                    passes = profile_run(bench, profile, name, model, Path(work), kv_bytes_per_token=args.kv_bytes)
                 results = [result for result, _ in passes]
                 records = [record for _, pass_records in passes for record in pass_records]
                 tokens = sum(r.generated_tokens for r in results)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -48,3 +49,24 @@ def fit_step_time(runs: list[dict], per_kv_token: float | None = None,
     coef[fitted], _ = nnls(x[keep][:, fitted], y[keep] - x[keep] @ coef)
     error = abs(float((x @ coef).sum() - y.sum())) / float(y.sum())
     return StepTimeModel(*map(float, coef[:5]), graph_batch=graph_batch, per_eager_step=float(coef[5])), error
+
+
+FITS = Path(__file__).resolve().parent.parent.parent / "configs" / "sim"
+LLAMA_8B_KV_BYTES_PER_TOKEN = 128 * 1024
+HBM_BYTES_PER_S = 4.0e12  # the rate the scripts assume a decode step reads the KV cache at (the H200 peaks at 4.8 TB/s)
+
+
+def h200_step_model(kv_bytes_per_token: int = LLAMA_8B_KV_BYTES_PER_TOKEN, h100: bool = False) -> StepTimeModel:
+    """The step-time model the simulator's scripts price GPU suite workloads with: fitted to the H200 8B
+    kv-bound runs (configs/sim/kv-bound-h200-steps.jsonl.gz). Those runs' contexts are too short to price reading
+    the KV cache, so that term is the model shape's `kv_bytes_per_token` over HBM_BYTES_PER_S. `h100`: fitted to
+    an H100 long-cot run instead (configs/sim/long-cot-h100-steps.jsonl.gz: long contexts, so the KV-read term is
+    measured), with the H200 fit's prefill terms: that run's prefill steps are all large admission waves, which
+    cannot tell a per-token from a per-step cost."""
+    model, _ = fit_step_time(step_rows(FITS / "kv-bound-h200-steps.jsonl.gz"),
+                             per_kv_token=kv_bytes_per_token / HBM_BYTES_PER_S)
+    if not h100:
+        return model
+    runs = [run for run in step_rows(FITS / "long-cot-h100-steps.jsonl.gz") if run["scheduler"] == "forecast"]
+    fitted, _ = fit_step_time(runs)
+    return dataclasses.replace(fitted, per_prefill_token=model.per_prefill_token, per_mixed_step=model.per_mixed_step)
