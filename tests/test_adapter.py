@@ -10,24 +10,21 @@ import math
 import re
 import threading
 import zlib
-from collections import deque
 
 import pytest
 import vllm
 from vllm.config import ModelConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from rollout.sim.engine import StepTimeModel
-from rollout.sim.vllm_loop import build_scheduler, config_only_model, run_requests
+from rollout.sim.vllm_loop import Driver, build_scheduler, config_only_model
 from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, RolloutScheduler,
                                   adapter_settings, read_settings)
 from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks
 
 BLOCK = 16  # tokens per KV block
-TOKEN = 7  # what the synthetic model samples
 CAP = check_scheduler_hooks()  # the attribute vLLM admits by
 
 
@@ -113,58 +110,15 @@ def spy_on(scheduler, **options) -> Spy:
     return spy
 
 
-class Run:
-    """Drives a scheduler as the engine core does: schedule(), the model's output, update_from_output(); with
-    `overlap` (async scheduling), the next step is scheduled before the last one's output arrives. `transfers`:
-    the scheduler offloads KV blocks to host memory (make_scheduler's host_offload_bytes), and the worker's
-    copies, stores and loads, finish within the step that asks for them."""
-
-    def __init__(self, scheduler, requests, overlap: bool = False, transfers: bool = False) -> None:
-        self.scheduler = scheduler
-        self.requests = {r.request_id: r for r in requests}
-        self.overlap = overlap
-        self.transfers = transfers
-        self.in_flight: deque = deque()  # (scheduler output, model output) not yet given back
-        self.finished = 0
-        self.preempted = 0  # requests preempted so far
-        for r in requests:
-            scheduler.add_request(r)
+class Run(Driver):
+    """vLLM's scheduler stepped as the engine core steps it (rollout.sim.vllm_loop.Driver), on no clock."""
 
     def events(self) -> tuple:
         """What the skip compares: (running, waiting, finished, preempted) before a step."""
-        return (*self.scheduler.get_request_counts(), self.finished, self.preempted)
-
-    def step(self):
-        """One schedule() and the outputs that arrive after it; returns the scheduler's output."""
-        output = self.scheduler.schedule()
-        self.preempted += len(output.preempted_req_ids or ())
-        ids = list(output.num_scheduled_tokens)
-        # A request samples a token once its prompt is computed.
-        sampled = [[] if self.requests[i].is_prefill_chunk else [TOKEN] for i in ids]
-        transferred = None
-        if self.transfers:
-            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-
-            meta = output.kv_connector_metadata
-            jobs = {**meta.store_jobs, **meta.load_jobs}
-            transferred = KVConnectorOutput(
-                finished_recving={job.req_id for job in meta.load_jobs.values()} or None,
-                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(jobs, 1)))
-        self.in_flight.append((output, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)}, sampled_token_ids=sampled,
-            kv_connector_output=transferred)))
-        while self.in_flight and (len(self.in_flight) > 1 or not self.overlap or not ids):
-            outputs = self.scheduler.update_from_output(*self.in_flight.popleft())
-            self.finished += sum(o.finish_reason is not None for engine in outputs.values() for o in engine.outputs)
-        return output
+        return (*self.scheduler.get_request_counts(), self.finished, self.result.preemptions)
 
     def steps(self, limit: int = 500):
-        """Steps until every request finished; at most `limit` of them."""
-        for _ in range(limit):
-            if not self.scheduler.has_unfinished_requests() and not self.in_flight:
-                return
-            yield self.step()
-        raise AssertionError(f"requests left after {limit} steps: {self.scheduler.get_request_counts()}")
+        return super().steps(limit)
 
 
 def trace_steps(path) -> list[dict]:
@@ -380,7 +334,7 @@ def test_short_requests_behind_a_blocked_long_one_run_beside_the_running_long_on
     for _ in run.steps():
         started += [r.request_id for r in scheduler.running if r.request_id not in started]
     assert started == ["s1", "s2", "L1", "L2"]  # the first step: the short ones moved ahead of L1's admission
-    assert run.finished == 4 and run.preempted == 0
+    assert run.finished == 4 and run.result.preemptions == 0
 
 
 # Preemption
@@ -453,7 +407,7 @@ def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(
                       cls=AsyncDynamicBatchScheduler if overlap else DynamicBatchScheduler)
     spy_on(scheduler, answer=lambda state: 8)  # all admitted at once, to outgrow the cache
     requests = [request(f"r{i}", 30, 40, block_hasher=hasher) for i in range(3)]
-    run = Run(scheduler, requests, overlap=overlap, transfers=True)
+    run = Run(scheduler, requests, overlap=overlap)
     preempted, computed_again, thrown = set(), [], {}
     for output in run.steps():
         for request_id in preempted & output.num_scheduled_tokens.keys():  # resumed, its blocks loaded
@@ -496,9 +450,8 @@ def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(bu
         loading = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in requests)
         seen.append((len(scheduler.running), loading, getattr(scheduler, CAP)))
 
-    result = run_requests(scheduler, requests, StepTimeModel(base=0.01, per_seq=0.0, per_kv_token=0.0,
-                                                             per_prefill_token=0.0),
-                          load_s_per_token=0.0005, cap_attr=CAP, observe=observe)
+    result = Driver(scheduler, requests, StepTimeModel(base=0.01, per_seq=0.0, per_kv_token=0.0, per_prefill_token=0.0),
+                    load_s_per_token=0.0005, cap_attr=CAP, observe=observe).run()
     assert all(len(r.output_token_ids) == 200 for r in requests)
     assert result.preemptions >= 5 and max(loading for _, loading, _ in seen) >= 2
     assert all(running + loading <= cap for running, loading, cap in seen[3:]), seen
@@ -621,9 +574,7 @@ def test_a_held_sample_already_waiting_stays_ahead_of_prompts_that_arrive_after_
         run.step()
         assert [r.request_id for r in scheduler.running] == ["x0"]
         later = [prompt_request("y0", 1, 20), prompt_request("y1", 1, 20)]
-        run.requests.update({r.request_id: r for r in later})
-        for r in later:
-            scheduler.add_request(r)
+        run.add(later)
         run.step()
         assert [r.request_id for r in scheduler.running] == ["x0"]
         assert [r.request_id for r in scheduler.waiting] == ["x1", "y0", "y1"]

@@ -8,7 +8,8 @@ request whose prompt is computed samples one token, and the step takes what the 
 `host_offload_bytes`, vLLM's OffloadingConnector runs its scheduler side: a load (a preempted request resuming)
 completes once the host link has moved its tokens, the link carrying one load at a time, while the engine steps on;
 a store completes at the end of the step that asked for it (write-through, a block at a time, on its own stream).
-Not modelled: async scheduling's one-step overlap, the worker's copies themselves.
+`Driver` also steps the adapter's tests, there with async scheduling's one-step overlap where a test asks for it;
+`profile_run` steps without it. Not modelled: the worker's copies themselves.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,75 +100,115 @@ class LoopResult:
         return self.generated_tokens / self.makespan_s if self.makespan_s else 0.0
 
 
-def run_requests(scheduler, requests: list, step_time: StepTimeModel, *, load_s_per_token: float = 0.0,
-                 cap_attr: str | None = None, max_steps: int = 10 ** 7, observe=None) -> LoopResult:
-    """Add `requests` (vLLM Request objects, in submission order) to `scheduler` and step it until all finish.
-    `observe(clock, scheduler)`: called after each step."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import RequestStatus
+class Driver:
+    """Drives a scheduler as the engine core does: schedule(), the model's output, update_from_output(), each
+    scheduled request whose prompt is computed sampling its own token (`sampled_token`). `overlap` (async
+    scheduling): the next step is scheduled before the last one's output arrives. `step_time`: what each step
+    takes on the clock (None: the clock stands still). With a KV connector (vLLM's OffloadingConnector), a store
+    completes at the end of the step that asked for it, a load once the host link has moved its tokens
+    (`load_s_per_token`; 0: within the step), the link carrying one load at a time. `cap_attr`: the scheduler's
+    admission cap, recorded at each step; `observe(clock, scheduler)`: called after each step."""
 
-    loads = None
-    if scheduler.connector is not None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-        loads = []  # (done at, job id, request id)
-    by_id = {r.request_id: r for r in requests}
-    tokens = {r.request_id: sampled_token(r.request_id) for r in requests}
-    for r in requests:
-        scheduler.add_request(r)
-    result = LoopResult()
-    clock = link_free = 0.0
-    for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
-            break
-        output = scheduler.schedule()
+    def __init__(self, scheduler, requests: list, step_time: StepTimeModel | None = None, *, overlap: bool = False,
+                 load_s_per_token: float = 0.0, cap_attr: str | None = None, observe=None) -> None:
+        self.scheduler = scheduler
+        self.requests, self.tokens = {}, {}
+        self.step_time, self.overlap, self.load_s_per_token = step_time, overlap, load_s_per_token
+        self.cap_attr, self.observe = cap_attr, observe
+        self.loads = [] if scheduler.connector is not None else None  # (done at, job id, request id)
+        self.in_flight: deque = deque()  # (scheduler output, model output) not yet given back
+        self.clock = self.link_free = 0.0
+        self.finished = 0  # requests finished so far
+        self.result = LoopResult()
+        self.add(requests)
+
+    def add(self, requests: list) -> None:
+        """Hand `requests` (vLLM Request objects, in submission order) to the scheduler."""
+        for r in requests:
+            self.requests[r.request_id], self.tokens[r.request_id] = r, sampled_token(r.request_id)
+            self.scheduler.add_request(r)
+
+    def step(self):
+        """One schedule() and the outputs that arrive after it; returns the scheduler's output."""
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
+
+        result, by_id = self.result, self.requests
+        output = self.scheduler.schedule()
         result.preemptions += len(output.preempted_req_ids or ())
         for request_id in output.preempted_req_ids or ():
             result.preempted[request_id] = result.preempted.get(request_id, 0) + 1
         ids = list(output.num_scheduled_tokens)
-        sampled = [[] if by_id[i].is_prefill_chunk else [tokens[i]] for i in ids]
-        decode = sum(n == 1 and bool(s) for n, s in zip(output.num_scheduled_tokens.values(), sampled))
-        prefill = output.total_num_scheduled_tokens - decode
-        kv_read = sum(by_id[i].num_computed_tokens - n for i, n in output.num_scheduled_tokens.items())
-        began = clock
-        clock += step_time(decode, kv_read, prefill) if ids else 0.0
-        transferred = None
-        if loads is not None:
-            meta = output.kv_connector_metadata
-            for job_id, job in meta.load_jobs.items():
-                link_free = max(link_free, clock) + by_id[job.req_id].num_computed_tokens * load_s_per_token
-                loads.append((link_free, job_id, job.req_id))
-            if not ids and loads:  # nothing to run until a load completes
-                clock = max(clock, min(done for done, _, _ in loads))
-            done = [load for load in loads if load[0] <= clock]
-            loads = [load for load in loads if load[0] > clock]
-            transferred = KVConnectorOutput(
-                finished_recving={request_id for _, _, request_id in done} or None,
-                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs={
-                    **dict.fromkeys(meta.store_jobs, 1), **{job_id: 1 for _, job_id, _ in done}}))
+        sampled = [[] if by_id[i].is_prefill_chunk else [self.tokens[i]] for i in ids]
+        began = self.clock
+        if self.step_time is not None and ids:
+            decode = sum(n == 1 and bool(s) for n, s in zip(output.num_scheduled_tokens.values(), sampled))
+            prefill = output.total_num_scheduled_tokens - decode
+            kv_read = sum(by_id[i].num_computed_tokens - n for i, n in output.num_scheduled_tokens.items())
+            self.clock += self.step_time(decode, kv_read, prefill)
+        transferred = self._transfers(output, ids)
         for request_id in ids:
             result.started_s.setdefault(request_id, began)
-        outputs = scheduler.update_from_output(output, ModelRunnerOutput(
+        self.in_flight.append((output, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)}, sampled_token_ids=sampled,
-            kv_connector_output=transferred))
-        for engine in outputs.values():
-            for finished in engine.outputs:
-                if finished.finish_reason is not None:
-                    result.finished_s[finished.request_id] = clock
+            kv_connector_output=transferred)))
+        while self.in_flight and (len(self.in_flight) > 1 or not self.overlap or not ids):
+            outputs = self.scheduler.update_from_output(*self.in_flight.popleft())
+            for engine in outputs.values():
+                for finished in engine.outputs:
+                    if finished.finish_reason is not None:
+                        result.finished_s[finished.request_id] = self.clock
+                        self.finished += 1
         result.steps += 1
-        if observe is not None:
-            observe(clock, scheduler)
-        result.running.append(len(scheduler.running))
-        result.loading.append(sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in scheduler.requests.values())
-                              if loads is not None else 0)
-        result.caps.append(getattr(scheduler, cap_attr) if cap_attr else scheduler.max_num_running_reqs)
-    else:
-        raise RuntimeError(f"requests left after {max_steps} steps: {scheduler.get_request_counts()}")
-    result.makespan_s = clock
-    cut = np.quantile([r.max_tokens for r in requests], 0.9) if requests else 0
-    result.longest_tenth_done_s = max((result.finished_s.get(r.request_id, clock) for r in requests
-                                       if r.max_tokens >= cut), default=0.0)
-    result.generated_tokens = sum(len(r.output_token_ids) for r in requests)
-    return result
+        if self.observe is not None:
+            self.observe(self.clock, self.scheduler)
+        result.running.append(len(self.scheduler.running))
+        result.loading.append(sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                                  for r in self.scheduler.requests.values()) if self.loads is not None else 0)
+        result.caps.append(getattr(self.scheduler, self.cap_attr) if self.cap_attr
+                           else self.scheduler.max_num_running_reqs)
+        return output
+
+    def _transfers(self, output, ids: list):
+        """The connector's output for this step: its stores, and the loads the host link has finished by now."""
+        if self.loads is None:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = output.kv_connector_metadata
+        for job_id, job in meta.load_jobs.items():
+            self.link_free = (max(self.link_free, self.clock)
+                              + self.requests[job.req_id].num_computed_tokens * self.load_s_per_token)
+            self.loads.append((self.link_free, job_id, job.req_id))
+        if not ids and self.loads:  # nothing to run until a load completes
+            self.clock = max(self.clock, min(done for done, _, _ in self.loads))
+        done = [load for load in self.loads if load[0] <= self.clock]
+        self.loads = [load for load in self.loads if load[0] > self.clock]
+        return KVConnectorOutput(
+            finished_recving={request_id for _, _, request_id in done} or None,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs={
+                **dict.fromkeys(meta.store_jobs, 1), **{job_id: 1 for _, job_id, _ in done}}))
+
+    def steps(self, limit: int = 10 ** 7):
+        """Steps until every request finished; at most `limit` of them."""
+        for _ in range(limit):
+            if not self.scheduler.has_unfinished_requests() and not self.in_flight:
+                return
+            yield self.step()
+        raise RuntimeError(f"requests left after {limit} steps: {self.scheduler.get_request_counts()}")
+
+    def run(self, limit: int = 10 ** 7) -> LoopResult:
+        """Steps until every request finished; the pass's result."""
+        for _ in self.steps(limit):
+            pass
+        result, requests = self.result, list(self.requests.values())
+        result.makespan_s = self.clock
+        cut = np.quantile([r.max_tokens for r in requests], 0.9) if requests else 0
+        result.longest_tenth_done_s = max((result.finished_s.get(r.request_id, self.clock) for r in requests
+                                           if r.max_tokens >= cut), default=0.0)
+        result.generated_tokens = sum(len(r.output_token_ids) for r in requests)
+        return result
 
 
 def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path, *, kv_bytes_per_token: int,
@@ -219,9 +261,9 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
                         sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, extra_args={
                             NOMINAL_MAX_TOKENS_KEY: profile.max_output}), block_hasher=hasher)
                 for k, r in enumerate(requests)]
-            results.append(run_requests(scheduler, vllm_requests, step_time,
-                                        load_s_per_token=kv_bytes_per_token / HOST_LINK_BYTES_PER_S,
-                                        cap_attr=CAP_ATTR if ours else None, observe=observe))
+            results.append(Driver(scheduler, vllm_requests, step_time,
+                                  load_s_per_token=kv_bytes_per_token / HOST_LINK_BYTES_PER_S,
+                                  cap_attr=CAP_ATTR if ours else None, observe=observe).run())
     finally:
         scheduler.shutdown()
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.is_file() else []
