@@ -42,7 +42,7 @@ def arguments(doc: str, argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", type=lambda seeds: [int(seed) for seed in seeds.split(",")],
                         help="draw each profile's workload with each of these seeds")
     parser.add_argument("--h100", action="store_true", help="the H100 long-cot fit")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def simulate_seed(job: tuple) -> tuple:
