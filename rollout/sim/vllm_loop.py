@@ -118,9 +118,13 @@ class Driver:
         self.loads = [] if scheduler.connector is not None else None  # (done at, job id, request id)
         self.in_flight: deque = deque()  # (scheduler output, model output) not yet given back
         self.clock = self.link_free = 0.0
-        self.finished = 0  # requests finished so far
         self.result = LoopResult()
         self.add(requests)
+
+    @property
+    def finished(self) -> int:
+        """Requests finished so far."""
+        return len(self.result.finished_s)
 
     def add(self, requests: list) -> None:
         """Hand `requests` (vLLM Request objects, in submission order) to the scheduler."""
@@ -158,7 +162,6 @@ class Driver:
                 for finished in engine.outputs:
                     if finished.finish_reason is not None:
                         result.finished_s[finished.request_id] = self.clock
-                        self.finished += 1
         result.steps += 1
         if self.observe is not None:
             self.observe(self.clock, self.scheduler)
