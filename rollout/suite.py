@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rollout.config import ConfigError, PolicyConfig, RunConfig, validate
+from rollout.policy.length_stats import LengthStats, PromptLengths
 from rollout.workloads import ProfileConfig, longest_first, max_prompt_tokens, profile_requests
 
 GPU_ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True,
@@ -96,6 +97,11 @@ class BenchConfig:
     kv_offloading_gib: Optional[float] = None
     reps: int = 3
     seed: int = 0
+    # The first iteration each run generates. The ones before it are not run: every scheduler starts from what it
+    # would have learned in them (`learned_state`), as a trainer's next iteration starts from the files the last
+    # one saved, so that a later pass (where the per-prompt memory acts) can be measured alone, at a fraction of
+    # the device time. 0: every iteration.
+    start_iteration: int = 0
     vocab_size: int = 1000
     profiles: list = field(default_factory=lambda: [ProfileConfig()])
     only: list = field(default_factory=list)  # names of the profiles to run; empty: all
@@ -125,9 +131,34 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
             raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, "
                               "forecast, forecast-lpt, oracle, oracle-fcfs)")
         policy_options(name)
+    short = [f"{p.name} has {p.iterations}" for p in bench.profiles if not 0 <= bench.start_iteration < p.iterations]
+    if short:
+        raise ConfigError(f"start_iteration={bench.start_iteration}: it must be at least 0 and below every profile's "
+                          f"iterations ({', '.join(short)})")
     if bench.out_dir is None:
         bench.out_dir = default_out_dir("bench", path)
     return bench
+
+
+def learned_state(profile: ProfileConfig, seed: int, vocab_size: int, iterations: int,
+                  policy: PolicyConfig | dict) -> tuple[LengthStats, PromptLengths]:
+    """What a scheduler has learned once the profile's first `iterations` passes have ended, every request at
+    its workload length: the length statistics (with `policy`'s forgetting) and the per-prompt memory, as it saves
+    them for the next run to start from (`output.stats_in`). Order within a pass moves neither: the statistics
+    without forgetting are sums, and a prompt's entry is its samples' mean."""
+    from rollout.policy.length_stats import prompt_key
+    from rollout.policy.prompt_memory import PromptMemory
+
+    if isinstance(policy, dict):
+        policy = PolicyConfig.from_dict(policy)
+    stats = LengthStats(forgetting=policy.forgetting, window=policy.window, decay=policy.decay)
+    memory = PromptMemory()
+    for iteration in range(iterations):
+        for r in profile_requests(profile, iteration, seed, vocab_size):
+            stats.observe(len(r.prompt.token_ids), r.output_tokens)
+            memory.finished(prompt_key(r.prompt.token_ids), r.output_tokens)
+        memory.close_pass()
+    return stats, memory.lengths
 
 
 def policy_options(scheduler: str) -> dict:
@@ -225,7 +256,16 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     KV capacity and its steps (what the simulator is fit to) besides."""
     from rollout.engine import RolloutEngine
 
+    from rollout.engine import PROMPT_LENGTHS_FILE, STATS_FILE
+
     cfg = bench_run_config(bench, profile, scheduler, model)
+    if bench.start_iteration:
+        stats, lengths = learned_state(profile, bench.seed, bench.vocab_size, bench.start_iteration, cfg.policy)
+        learned = workdir / "learned"
+        learned.mkdir(parents=True, exist_ok=True)
+        stats.save(learned / STATS_FILE)
+        lengths.save(learned / PROMPT_LENGTHS_FILE)  # beside the statistics: the engine copies it for its scheduler
+        cfg.output.stats_in = str(learned / STATS_FILE)
     requested = generated = 0
     wall = preemptions = recomputed = recovered = 0.0
     per_pass = []  # tok/s of each iteration: later passes start from the lengths the earlier ones carried
@@ -233,7 +273,7 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     trace: list[dict] = []
     with RolloutEngine(cfg, workdir) as engine:
         started_at = time.time()
-        for iteration in range(profile.iterations):
+        for iteration in range(bench.start_iteration, profile.iterations):
             requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
             if scheduler.split(":")[0] == "oracle":  # longest first keeps the cache full while the long ones run
                 requests = longest_first(requests)

@@ -48,6 +48,26 @@ def test_cpu_benchmark_smoke(tmp_path):
         assert (out / name).stat().st_size > 1000
 
 
+@pytest.mark.engine
+def test_a_later_pass_runs_alone_from_the_learned_files(tmp_path):
+    """start_iteration=1 on the real engine: the second pass alone, every one of its tokens, its scheduler
+    started from the files the first pass would have left (`output.stats_in`)."""
+    from rollout.suite import load_bench_config
+    from rollout.workloads import profile_requests
+
+    out = tmp_path / "bench"
+    args = ["--config", "configs/bench/cpu-smoke.yaml", "only=[grpo-groups]", "schedulers=[forecast-lpt]",
+            "start_iteration=1"]
+    result = subprocess.run([sys.executable, "-m", "rollout.bench", *args, f"out_dir={out}"], capture_output=True,
+                            text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    bench = load_bench_config("configs/bench/cpu-smoke.yaml", args[2:])
+    second = sum(r.output_tokens for r in profile_requests(bench.profiles[0], 1, bench.seed, bench.vocab_size))
+    (run,) = json.loads((out / "results.json").read_text())["results"]
+    assert len(run["per_iteration_tokens_per_s"]) == 1
+    assert run["generated_tokens"] == run["requested_tokens"] == second
+
+
 def test_bad_bench_config_fails_before_any_engine():
     result = subprocess.run([sys.executable, "-m", "rollout.bench", "--config", "configs/bench/cpu-smoke.yaml",
                              "schedulers=[fastest]"], capture_output=True, text=True, timeout=120)

@@ -16,7 +16,7 @@ from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import SiblingOrder, probe_first_order
 from rollout.policy.prompt_memory import PromptMemory, arrival_order, pass_arrivals
 from rollout.sim.engine import HOST_LINK_BYTES_PER_S, HostOffload, StepTimeModel, simulate
-from rollout.suite import BenchConfig, scheduler_policy
+from rollout.suite import BenchConfig, learned_state, scheduler_policy
 from rollout.workloads import ProfileConfig, longest_first, profile_requests
 
 VLLM_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's offline default (`LLM`) on a GPU of 70 GiB or more
@@ -82,8 +82,11 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
     settings = scheduler_settings(bench, name)
     learns = settings.get("order") == "longest_first"
     probes = probes_first(settings)
-    policy = make_policy(settings, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
-    memory = PromptMemory(None, "longest_first", probes)  # the scheduler's (rollout.vllm_adapter)
+    stats = lengths = None
+    if bench.start_iteration:  # what the bench's engine starts from (`learned_state`)
+        stats, lengths = learned_state(profile, bench.seed, bench.vocab_size, bench.start_iteration, settings)
+    policy = make_policy(settings, stats, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
+    memory = PromptMemory(lengths, "longest_first", probes)  # the scheduler's (rollout.vllm_adapter)
     offload = None
     if bench.kv_offloading_gib:
         if not profile.kv_cache_memory_bytes:
@@ -92,7 +95,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
         offload = HostOffload.from_bytes(bench.kv_offloading_gib * 2 ** 30,
                                          profile.kv_cache_memory_bytes / kv_capacity_tokens, HOST_LINK_BYTES_PER_S)
     run = ProfileRun()
-    for iteration in range(profile.iterations):
+    for iteration in range(bench.start_iteration, profile.iterations):
         requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
         if share is not None:
             requests = [requests[k] for k in share(iteration, requests)]
@@ -155,11 +158,13 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
 
     settings = scheduler_settings(bench, name)
     probes = probes_first(settings)
-    policies = [make_policy(settings, graph_batch=step_time.graph_batch) for _ in range(engines)]
+    start = bench.start_iteration
+    policies = [make_policy(settings, learned_state(profile, bench.seed, bench.vocab_size, start, settings)[0]
+                            if start else None, graph_batch=step_time.graph_batch) for _ in range(engines)]
     b_max = max(int(settings["b_max"]), 1)
-    memory = PromptLengths()
+    memory = learned_state(profile, bench.seed, bench.vocab_size, start, settings)[1] if start else PromptLengths()
     times, paths = [], []
-    for iteration in range(profile.iterations):
+    for iteration in range(start, profile.iterations):
         requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)
         groups: dict[int, list[int]] = {}
         for k, r in enumerate(requests):

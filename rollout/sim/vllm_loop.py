@@ -217,7 +217,7 @@ class Driver:
 def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path, *, kv_bytes_per_token: int,
                 iterations: int | None = None, block_size: int = 16, token_budget: int = 16384,
                 observe=None) -> list[tuple[LoopResult, list]]:
-    """A bench profile's passes (`iterations`, the profile's where None) under scheduler `name` (rollout.suite's
+    """A bench profile's passes (from its `start_iteration`; up to `iterations`, the profile's where None) under scheduler `name` (rollout.suite's
     names; `vllm`: vLLM's own Scheduler at its default cap) on one scheduler, submitted as RolloutEngine submits
     them: for a policy that orders longest first, by what the scheduler's per-prompt memory learned, a probe of
     each prompt it never saw first. Returns each pass's result and the adapter's trace records of its steps."""
@@ -229,7 +229,9 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
     from rollout.policy.length_stats import prompt_key
     from rollout.sim.engine import HOST_LINK_BYTES_PER_S
     from rollout.sim.runs import VLLM_DEFAULT_MAX_NUM_SEQS, engine_submission, probes_first, scheduler_settings
-    from rollout.vllm_adapter import CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, DynamicBatchScheduler, adapter_settings
+    from rollout.suite import learned_state
+    from rollout.vllm_adapter import (CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, STATE_PROMPTS_FILE, STATE_STATS_FILE,
+                                      DynamicBatchScheduler, adapter_settings)
     from rollout.workloads import longest_first, profile_requests
 
     ours = name.split(":")[0] != "vllm"
@@ -237,14 +239,23 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
     learns = settings.get("order") == "longest_first"
     probes = probes_first(settings)
     passes = [profile_requests(profile, k, bench.seed, bench.vocab_size)
-              for k in range(profile.iterations if iterations is None else iterations)]
+              for k in range(bench.start_iteration, profile.iterations if iterations is None else iterations)]
     longest = max(len(r.prompt.token_ids) + r.output_tokens for requests in passes for r in requests)
     max_model_len = 1 << math.ceil(math.log2(longest + 1))
     model_dir = config_only_model(work / "model", bench.vocab_size, max_model_len)
     trace = work / f"{name.replace(':', '_')}.jsonl"
     host = int(bench.kv_offloading_gib * 2 ** 30) if bench.kv_offloading_gib else None
+    state_dir = stats_in = None
+    if ours and bench.start_iteration:  # what the bench's engine starts from (`learned_state`)
+        stats, lengths = learned_state(profile, bench.seed, bench.vocab_size, bench.start_iteration, settings)
+        state_dir = work / "state"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        stats_in = state_dir / STATE_STATS_FILE
+        stats.save(stats_in)
+        lengths.save(state_dir / STATE_PROMPTS_FILE)
     scheduler = build_scheduler(
-        model_dir, adapter_settings(settings, str(trace), None, None, None) if ours else None,
+        model_dir, adapter_settings(settings, str(trace), state_dir and str(state_dir), stats_in and str(stats_in),
+                                    None) if ours else None,
         num_blocks=profile.kv_cache_memory_bytes // kv_bytes_per_token // block_size + 1, block_size=block_size,
         max_num_seqs=int(settings["b_max"]) if ours else VLLM_DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens=token_budget, max_model_len=max_model_len,
