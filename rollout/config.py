@@ -97,7 +97,8 @@ class ModelConfig:
         "memory, and a preempted request, when it resumes, loads what it had computed from there instead of "
         "computing it again; null: off. GPU only; experimental: on an H200 it recomputed far less but ran slower, "
         "preempting twelve times as often, before requests loading their blocks counted against the cap; with "
-        "that fix it has not run on a GPU (docs/results.md, tail-bound).")})
+        "that fix one H200 run of tail-bound's first pass had not finished 138 s in, against 117 s without "
+        "(docs/results.md, tail-bound).")})
     engine_kwargs: dict = field(default_factory=dict, metadata={"help": (
         "Extra keyword arguments for vllm.LLM (e.g. compilation_config on GPU); they win over the settings "
         "above.")})
