@@ -12,7 +12,7 @@ import numpy as np
 
 from rollout.config import PolicyConfig
 from rollout.policy import make_policy
-from rollout.policy.length_stats import PromptLengths, prompt_key
+from rollout.policy.length_stats import LengthStats, PromptLengths, prompt_key
 from rollout.policy.probes import SiblingOrder, probe_first_order
 from rollout.policy.prompt_memory import PromptMemory, arrival_order, pass_arrivals
 from rollout.sim.engine import HOST_LINK_BYTES_PER_S, HostOffload, StepTimeModel, simulate
@@ -159,10 +159,12 @@ def simulate_parallel(bench: BenchConfig, profile: ProfileConfig, name: str, ste
     settings = scheduler_settings(bench, name)
     probes = probes_first(settings)
     start = bench.start_iteration
-    policies = [make_policy(settings, learned_state(profile, bench.seed, bench.vocab_size, start, settings)[0]
-                            if start else None, graph_batch=step_time.graph_batch) for _ in range(engines)]
+    stats, memory = (learned_state(profile, bench.seed, bench.vocab_size, start, settings) if start
+                     else (None, PromptLengths()))
+    # Each engine's scheduler reads the statistics from the files on its own: a copy each.
+    policies = [make_policy(settings, stats and LengthStats.from_dict(stats.to_dict()),
+                            graph_batch=step_time.graph_batch) for _ in range(engines)]
     b_max = max(int(settings["b_max"]), 1)
-    memory = learned_state(profile, bench.seed, bench.vocab_size, start, settings)[1] if start else PromptLengths()
     times, paths = [], []
     for iteration in range(start, profile.iterations):
         requests = profile_requests(profile, iteration, bench.seed, bench.vocab_size)

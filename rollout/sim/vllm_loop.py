@@ -217,10 +217,12 @@ class Driver:
 def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path, *, kv_bytes_per_token: int,
                 iterations: int | None = None, block_size: int = 16, token_budget: int = 16384,
                 observe=None) -> list[tuple[LoopResult, list]]:
-    """A bench profile's passes (from its `start_iteration`; up to `iterations`, the profile's where None) under scheduler `name` (rollout.suite's
-    names; `vllm`: vLLM's own Scheduler at its default cap) on one scheduler, submitted as RolloutEngine submits
-    them: for a policy that orders longest first, by what the scheduler's per-prompt memory learned, a probe of
-    each prompt it never saw first. Returns each pass's result and the adapter's trace records of its steps."""
+    """A bench profile's passes (from the bench's `start_iteration`, ours starting from the files it would have
+    saved in the earlier ones; up to `iterations`, the profile's where None) under scheduler `name`
+    (rollout.suite's names; `vllm`: vLLM's own Scheduler at its default cap) on one scheduler, submitted as
+    RolloutEngine submits them: for a policy that orders longest first, by what the scheduler's per-prompt memory
+    learned, a probe of each prompt it never saw first. Returns each pass's result and the adapter's trace
+    records of its steps."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
