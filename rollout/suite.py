@@ -29,7 +29,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rollout.config import ConfigError, PolicyConfig, RunConfig, validate
-from rollout.policy.length_stats import LengthStats, PromptLengths
+from rollout.policy.length_stats import LengthStats, PromptLengths, prompt_key
+from rollout.policy.prompt_memory import PromptMemory
 from rollout.workloads import ProfileConfig, longest_first, max_prompt_tokens, profile_requests
 
 GPU_ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True,
@@ -146,9 +147,6 @@ def learned_state(profile: ProfileConfig, seed: int, vocab_size: int, iterations
     its workload length: the length statistics (with `policy`'s forgetting) and the per-prompt memory, as it saves
     them for the next run to start from (`output.stats_in`). Order within a pass moves neither: the statistics
     without forgetting are sums, and a prompt's entry is its samples' mean."""
-    from rollout.policy.length_stats import prompt_key
-    from rollout.policy.prompt_memory import PromptMemory
-
     if isinstance(policy, dict):
         policy = PolicyConfig.from_dict(policy)
     stats = LengthStats(forgetting=policy.forgetting, window=policy.window, decay=policy.decay)
@@ -159,6 +157,20 @@ def learned_state(profile: ProfileConfig, seed: int, vocab_size: int, iterations
             memory.finished(prompt_key(r.prompt.token_ids), r.output_tokens)
         memory.close_pass()
     return stats, memory.lengths
+
+
+def save_learned_state(folder: Path, profile: ProfileConfig, seed: int, vocab_size: int, iterations: int,
+                       policy: PolicyConfig | dict) -> Path:
+    """`learned_state` written into `folder` as a scheduler saves it: its statistics file and, beside it, the
+    per-prompt memory, under the names RolloutEngine and the adapter read. Returns the statistics file (what
+    `output.stats_in` names; a scheduler's `state_dir` is the folder)."""
+    from rollout.engine import PROMPT_LENGTHS_FILE, STATS_FILE
+
+    stats, lengths = learned_state(profile, seed, vocab_size, iterations, policy)
+    folder.mkdir(parents=True, exist_ok=True)
+    stats.save(folder / STATS_FILE)
+    lengths.save(folder / PROMPT_LENGTHS_FILE)
+    return folder / STATS_FILE
 
 
 def policy_options(scheduler: str) -> dict:
@@ -256,16 +268,10 @@ def run_once(bench: BenchConfig, profile: ProfileConfig, scheduler: str, model: 
     KV capacity and its steps (what the simulator is fit to) besides."""
     from rollout.engine import RolloutEngine
 
-    from rollout.engine import PROMPT_LENGTHS_FILE, STATS_FILE
-
     cfg = bench_run_config(bench, profile, scheduler, model)
-    if bench.start_iteration:
-        stats, lengths = learned_state(profile, bench.seed, bench.vocab_size, bench.start_iteration, cfg.policy)
-        learned = workdir / "learned"
-        learned.mkdir(parents=True, exist_ok=True)
-        stats.save(learned / STATS_FILE)
-        lengths.save(learned / PROMPT_LENGTHS_FILE)  # beside the statistics: the engine copies it for its scheduler
-        cfg.output.stats_in = str(learned / STATS_FILE)
+    if bench.start_iteration:  # the engine copies the memory beside the statistics for its scheduler
+        cfg.output.stats_in = str(save_learned_state(workdir / "learned", profile, bench.seed, bench.vocab_size,
+                                                     bench.start_iteration, cfg.policy))
     requested = generated = 0
     wall = preemptions = recomputed = recovered = 0.0
     per_pass = []  # tok/s of each iteration: later passes start from the lengths the earlier ones carried

@@ -231,9 +231,8 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
     from rollout.policy.length_stats import prompt_key
     from rollout.sim.engine import HOST_LINK_BYTES_PER_S
     from rollout.sim.runs import VLLM_DEFAULT_MAX_NUM_SEQS, engine_submission, probes_first, scheduler_settings
-    from rollout.suite import learned_state
-    from rollout.vllm_adapter import (CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, STATE_PROMPTS_FILE, STATE_STATS_FILE,
-                                      DynamicBatchScheduler, adapter_settings)
+    from rollout.suite import save_learned_state
+    from rollout.vllm_adapter import CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, DynamicBatchScheduler, adapter_settings
     from rollout.workloads import longest_first, profile_requests
 
     ours = name.split(":")[0] != "vllm"
@@ -248,16 +247,13 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
     trace = work / f"{name.replace(':', '_')}.jsonl"
     host = int(bench.kv_offloading_gib * 2 ** 30) if bench.kv_offloading_gib else None
     state_dir = stats_in = None
-    if ours and bench.start_iteration:  # what the bench's engine starts from (`learned_state`)
-        stats, lengths = learned_state(profile, bench.seed, bench.vocab_size, bench.start_iteration, settings)
+    if ours and bench.start_iteration:  # what the bench's engine starts from
         state_dir = work / "state"
-        state_dir.mkdir(parents=True, exist_ok=True)
-        stats_in = state_dir / STATE_STATS_FILE
-        stats.save(stats_in)
-        lengths.save(state_dir / STATE_PROMPTS_FILE)
+        stats_in = str(save_learned_state(state_dir, profile, bench.seed, bench.vocab_size, bench.start_iteration,
+                                          settings))
     scheduler = build_scheduler(
-        model_dir, adapter_settings(settings, str(trace), state_dir and str(state_dir), stats_in and str(stats_in),
-                                    None) if ours else None,
+        model_dir, adapter_settings(settings, str(trace), state_dir and str(state_dir), stats_in, None)
+        if ours else None,
         num_blocks=profile.kv_cache_memory_bytes // kv_bytes_per_token // block_size + 1, block_size=block_size,
         max_num_seqs=int(settings["b_max"]) if ours else VLLM_DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens=token_budget, max_model_len=max_model_len,
