@@ -132,6 +132,9 @@ def load_bench_config(path: str | None, overrides: list[str]) -> BenchConfig:
             raise ConfigError(f"schedulers: unknown scheduler {name!r} (vllm, static-N, memory, memory-clt, "
                               "forecast, forecast-lpt, oracle, oracle-fcfs)")
         policy_options(name)
+    fixed = [p.name for p in bench.profiles if p.new_prompts and p.kind == "recorded"]
+    if fixed:
+        raise ConfigError(f"profiles {fixed}: new_prompts: a recorded profile's prompts are its lengths_file's")
     short = [f"{p.name} has {p.iterations}" for p in bench.profiles if not 0 <= bench.start_iteration < p.iterations]
     if short:
         raise ConfigError(f"start_iteration={bench.start_iteration}: it must be at least 0 and below every profile's "

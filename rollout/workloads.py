@@ -44,6 +44,10 @@ class ProfileConfig:
     # at its recorded prompt length; each iteration draws `samples_per_prompt` of the prompt's recorded output
     # lengths (the first iteration takes them as recorded where as many were recorded), times drift per iteration.
     lengths_file: Optional[str] = None
+    # grpo, mixture: each iteration after the first draws new prompts (their class, latent length and prompt
+    # length), as an RL run whose dataset holds more prompts than its iterations take; false, the same prompts every
+    # iteration (epochs over a small dataset). lognormal and real draw new prompts every iteration either way.
+    new_prompts: bool = False
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
 
@@ -115,9 +119,12 @@ def _prompt(rng: np.random.Generator, name: str, length: int, vocab: int) -> Pro
 
 def profile_requests(profile: ProfileConfig, iteration: int, seed: int = 0,
                      vocab_size: int = 1000) -> list[Request]:
-    """The requests of one iteration. grpo prompts keep their latent length across iterations, which drifts."""
+    """The requests of one iteration. grpo prompts keep their latent length across iterations, which drifts
+    (unless `new_prompts`)."""
     rng = np.random.default_rng([seed, iteration])
-    base = np.random.default_rng([seed, 10_000])  # per-prompt traits shared by all iterations
+    # Per-prompt traits: shared by all iterations, or with new_prompts each iteration's own (the first iteration's
+    # the same either way, so that a run with new prompts starts as the one without).
+    base = np.random.default_rng([seed, 10_000, iteration] if profile.new_prompts and iteration else [seed, 10_000])
     n, cap = profile.samples_per_prompt, profile.max_output
     requests = []
     if profile.kind == "lognormal":

@@ -37,6 +37,46 @@ def test_a_mixture_keeps_each_prompts_class_and_grows_the_long_class_between_ite
     assert max(lengths) <= max_prompt_tokens(profile) == 1200 and np.percentile(lengths, 90) > 2 * 300 * 0.8
 
 
+@pytest.mark.parametrize("kind", ["mixture", "grpo"])
+def test_new_prompts_draws_each_later_iteration_its_own_prompts_from_the_same_distribution(kind):
+    common = dict(kind=kind, num_prompts=600, samples_per_prompt=4, prompt_tokens=300, median_output=200, sigma=0.3,
+                  sample_sigma=0.2, long_share=0.2, long_ratio=10.0, long_drift=1.5, drift=1.0, max_output=100_000,
+                  iterations=3)
+    if kind == "mixture":
+        common["prompt_sigma"] = 0.8
+    same, fresh = ProfileConfig(**common), ProfileConfig(**common, new_prompts=True)
+    # The first iteration is the one without new prompts, to the token.
+    assert [(r.prompt.token_ids, r.output_tokens) for r in profile_requests(fresh, 0, seed=5)] == \
+        [(r.prompt.token_ids, r.output_tokens) for r in profile_requests(same, 0, seed=5)]
+    seen = [per_prompt(profile_requests(fresh, k, seed=5)) for k in range(3)]
+    keys = [{tuple(p) for p in prompts.values()} for _, prompts in seen]
+    assert not keys[0] & keys[1] and not keys[1] & keys[2]  # no prompt comes back
+    assert keys[1] != {tuple(p) for p in per_prompt(profile_requests(same, 1, seed=5))[1].values()}
+    # ... but the lengths come from the same distribution, drift included: each iteration's median per prompt
+    # against the same iteration without new prompts.
+    for k in (1, 2):
+        a = np.median([np.median(v) for v in seen[k][0].values()])
+        b = np.median([np.median(v) for v in per_prompt(profile_requests(same, k, seed=5))[0].values()])
+        assert abs(np.log(a / b)) < 0.15
+    if kind == "mixture":  # the long class keeps its share and grows by long_drift per iteration
+        for k in (1, 2):
+            medians = np.array([np.median(v) for v in seen[k][0].values()])
+            long = medians > 200 * np.sqrt(10) * 1.5 ** k
+            assert 0.14 < long.mean() < 0.26
+            assert abs(np.median(medians[long]) / (2000 * 1.5 ** k) - 1) < 0.15
+
+
+def test_a_recorded_profile_cannot_draw_new_prompts(tmp_path):
+    from rollout.config import ConfigError
+    from rollout.suite import load_bench_config
+
+    config = tmp_path / "bench.yaml"
+    config.write_text("model: tiny\nschedulers: [vllm]\nprofiles:\n  - name: mine\n    kind: recorded\n"
+                      f"    lengths_file: {tmp_path / 'run'}\n    new_prompts: true\n")
+    with pytest.raises(ConfigError, match=r"\['mine'\]: new_prompts: a recorded profile's prompts"):
+        load_bench_config(str(config), [])
+
+
 def test_a_mixture_is_seeded_and_capped_at_max_output():
     profile = ProfileConfig(kind="mixture", num_prompts=50, samples_per_prompt=2, max_output=300, long_ratio=20.0)
     a = [(len(r.prompt.token_ids), r.output_tokens) for r in profile_requests(profile, 0, seed=1)]
