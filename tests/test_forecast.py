@@ -461,7 +461,9 @@ def policy_with_lengths(config: PolicyConfig, median: float, sigma: float, seed:
 
 
 def test_the_forecast_reports_its_margin_as_the_safety_buffer():
-    policy = policy_with_lengths(PolicyConfig(eps_m=0.05, b_max=64, forecast_after=8), 100, 0.5, 3)
+    # The margin unbounded (forecast_margin_cap 1): theta alone sets it.
+    policy = policy_with_lengths(PolicyConfig(eps_m=0.05, b_max=64, forecast_after=8, forecast_margin_cap=1.0), 100,
+                                 0.5, 3)
     state = StepState(num_running=4, num_waiting=20, kv_capacity_blocks=60, block_size=16,
                       running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
                       waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64))
@@ -831,7 +833,8 @@ def test_admissions_come_in_waves_of_a_share_of_the_running():
 
 def test_a_wave_too_small_waits_for_finishes_before_the_next_forecast():
     def policy(wave):
-        p = make_policy({"name": "forecast", "b_max": 512, "eps_m": 0.05, "forecast_min_wave": wave})
+        p = make_policy({"name": "forecast", "b_max": 512, "eps_m": 0.05, "forecast_min_wave": wave,
+                         "forecast_margin_cap": 1.0})
         for n in np.random.default_rng(2).lognormal(np.log(200), 0.6, 200).astype(int):
             p.observe_finished(100, int(n))
         return p
@@ -909,3 +912,24 @@ def test_forecast_backfill_runs_short_requests_beside_a_blocked_long_head():
     assert list(filled.backfill) == list(range(1, 1 + len(filled.backfill))) and 5 <= len(filled.backfill) <= 8
     policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, forecast_after=8))
     assert policy.backfills  # the default
+
+
+def test_forecast_backfill_never_passes_a_preempted_request():
+    # The scene above, but the head was preempted after 40 output tokens: the short ones behind it would take the
+    # memory it needs to resume, each finish letting in more of them, and the pass's longest request would wait
+    # for the whole queue. It resumes first; nothing is admitted past it.
+    lengths = CensoredLengths(bin_tokens=16)
+    for _ in range(50):
+        lengths.observe(100)
+    scene = dict(blocks=2600 // 16, running_scale=np.full(2, 10.0), waiting_scale=np.r_[20.0, np.ones(10)])
+    preempted = view(np.full(2, 600), np.full(2, 500), np.r_[140, np.full(10, 50)], np.r_[40, np.zeros(10, int)],
+                     **scene)
+    waits = expected_demand_admissions(preempted, lengths, 0.0, backfill=True)
+    assert waits.count == 0 and waits.backfill == ()
+    fresh = view(np.full(2, 600), np.full(2, 500), np.r_[140, np.full(10, 50)], **scene)
+    passed = expected_demand_admissions(fresh, lengths, 0.0, backfill=True)
+    assert passed.count == 0 and len(passed.backfill) >= 5
+    # The policy, as the adapter and the simulator ask it: the preempted head keeps the cap at the running ones.
+    policy = ForecastPolicy(PolicyConfig(eps_m=0.05, b_max=64, forecast_after=8, forecast_min_wave=0.0))
+    policy.lengths = lengths
+    assert policy.batch_cap(preempted) == 2 and policy.backfill() == []

@@ -227,6 +227,19 @@ def test_a_blocked_long_head_lets_the_short_tail_in_and_never_preempts():
     assert policy.backfill() == [-1, -2, -3]  # queue positions, the last first; the fourth fits no better
 
 
+def test_nothing_is_backfilled_past_a_preempted_head():
+    # The same queue, but the blocked head was preempted (it holds 30 output tokens): the short tail would take the
+    # memory it needs to resume, and while requests keep finishing it would wait for the whole queue behind it.
+    policy = make_policy({"name": "oracle", "b_max": 64, "forecast_min_wave": 0.0})
+    state = blocked_long_head()
+    state.waiting_generated = np.array([30])
+    state.tail_generated = np.zeros(4, dtype=np.int64)
+    assert policy.batch_cap(state) == 1
+    assert policy.backfill() == []
+    state.waiting_generated = np.array([0])  # never started: passed as before
+    assert policy.batch_cap(state) == 1 + 3
+
+
 def test_a_cap_without_a_search_counts_no_earlier_backfill():
     policy = make_policy({"name": "oracle", "b_max": 64, "forecast_min_wave": 0.0})
     blocked = blocked_long_head()

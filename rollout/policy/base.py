@@ -79,6 +79,16 @@ class StepState:
     tail_rows: Any = None
 
 
+def resumes_first(state: StepState, admitted: int) -> bool:
+    """Whether the head's first request left out (after `admitted`) was preempted: it holds output tokens. Nothing
+    is backfilled past it. A preempted request was admitted before the requests behind it (longest first, the
+    pass's end) and has least output of those running; a request admitted past it takes the memory it needs to
+    resume, and each finish lets in more of them, so it waits until the queue behind it is gone (100-250 s of a
+    250-450 s pass in the simulator's tail-bound runs) and ends the pass after the cache has emptied."""
+    generated = state.waiting_generated
+    return generated is not None and admitted < len(generated) and generated[admitted] > 0
+
+
 def backfill_candidates(state: StepState, admitted: int) -> tuple[list[int], dict]:
     """Where the head's first `admitted` waiting requests are admitted and the next is not: the later rows of the
     described head, then the tail's (the last first), as queue positions (`Policy.backfill`), and their columns

@@ -96,16 +96,21 @@ class PolicyConfig:
         "in waves, and fewer steps leave the decode-only CUDA graph for prompt tokens.")})
     forecast_tail_confidence: float = field(default=1.5, metadata={"help": (
         "Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).")})
-    forecast_margin_cap: float = field(default=0.1, metadata={"help": (
+    forecast_margin_cap: float = field(default=0.03, metadata={"help": (
         "The most of the KV cache the forecast keeps free against uncertainty, as a share of it, in (0, 1] (1: no "
         "bound), in a pass whose requests carry no predicted lengths (forecast_margin_cap_predicted where they do). "
         "The margin is theta standard deviations of the forecast demand, and a group's samples count as "
         "moving together: where groups of long outputs run, it reaches a third to a half of the cache while a long "
-        "queue waits. Since the forecast preempts the requests that have generated the least (forecast_preemption), "
-        "what outgrows a tighter margin costs the pass's end less: over eight seeds in the simulator 0.1 against "
-        "0.2 gives tail-bound's variants 1.018-1.045x vLLM's default against 1.004-1.040x (recomputing 21-28% "
-        "against 19-24%), real 1.131x against 1.113x, grpo-groups 1.204x against 1.198x (seeds 0-1), kv-bound, "
-        "cap-bound and long-cot unchanged; not yet measured on a GPU (docs/results.md, \"tail-bound\").")})
+        "queue waits. A pass bound by its cache lasts about its KV work over the share of the cache it fills, and "
+        "a recomputed token costs about a tenth of a decoded one; since the forecast preempts the requests that "
+        "have generated the least (forecast_preemption) and resumes a preempted request before admitting any "
+        "past it (forecast_backfill), what outgrows a tight margin costs the pass's end little. In the simulator "
+        "(seeds 0-3) 0.03 against 0.1 gives tail-bound's Llama-shaped variants 1.024-1.039x vLLM's default "
+        "against 1.007-1.032x (recomputing 20-32% net against 14-21%; new prompts every iteration or the same), "
+        "the Qwen2.5-7B-shaped one 1.033x and 1.051x against 1.040x and 1.053x, grpo-groups 1.216x against 1.206x "
+        "and real 1.135x against 1.130x (recomputing 2.4% and 2.8% net against 1.4% and 1.0%; seeds 0-1), "
+        "kv-bound, cap-bound and long-cot within 0.3%; not yet measured on a GPU (docs/results.md, "
+        "\"tail-bound\").")})
     forecast_margin_cap_predicted: float = field(default=0.1, metadata={"help": (
         "forecast_margin_cap for a pass whose requests carry predicted lengths (their prompts ran in an earlier pass, "
         "the per-prompt memory): the prompts' means are known then, and the groups' spread that the margin adds up "
@@ -116,8 +121,11 @@ class PolicyConfig:
     forecast_backfill: bool = field(default=True, metadata={"help": (
         "Where a request at the queue's head cannot be admitted, admit requests behind it (the head's later ones, "
         "then the queue's end: the shortest-predicted, longest first) that fit beside it without taking the memory "
-        "it is forecast to need once it fits (EASY backfilling). In the simulator it raises tail-bound by 4% and "
-        "costs grpo-groups 0.9% and long-cot 0.6% (docs/results.md).")})
+        "it is forecast to need once it fits (EASY backfilling), but none past a preempted request: that one was "
+        "admitted ahead of them, longest first, and admitting past it as requests finish kept long requests "
+        "waiting 100-250 s of a tail-bound pass, ending it after the cache had emptied. In the simulator, with "
+        "the margin bound of 0.03, backfilling raises cap-bound by 0.3% and real by 0.4%, costs long-cot 0.2%, "
+        "and moves tail-bound's variants by under 0.6% (docs/results.md, \"tail-bound\").")})
     forecast_preemption: str = field(default="least_output", metadata={"help": (
         "Which running requests vLLM preempts first where a step may run out of KV blocks: least_output (those "
         "that have generated the fewest tokens, of equals the last admitted), least_computed (the fewest tokens "

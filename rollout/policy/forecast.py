@@ -634,7 +634,7 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     admissions pass). `backfill`: where a request of the head is left out, the head's later requests and then
     the described tail (`StepState.tail_*`, `informed` rows after the waiting ones) are tried in that order, each
     admitted if it fits by the same test beside those before it and the left-out request's demand from the
-    earliest time it fits (first fit; `Admission.backfill`). `margin_cap`: the theta standard deviations kept
+    earliest time it fits (first fit; `Admission.backfill`); none past a preempted request (`resumes_first`). `margin_cap`: the theta standard deviations kept
     free are at most this share of the cache (1: the whole cache, no bound)."""
     running_tokens, running_generated = state.running_tokens, state.running_generated
     waiting_tokens, waiting_generated = state.waiting_tokens, state.waiting_generated
@@ -772,7 +772,7 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     admitted_mean, admitted_var = (base_mean, base_var) if admit == 0 else (total_mean[admit - 1],
                                                                             total_var[admit - 1])
     answer = result(admit, admitted_mean, admitted_var, peak, over)
-    if backfill and admit < head:
+    if backfill and admit < head and not waiting_generated[admit]:  # see `resumes_first`
         mean, var = demand(n + head + tail)
         # The first request left out keeps its place (EASY backfilling): its demand from the earliest future
         # time it fits at, which a backfilled request must leave room for. Without one the short requests

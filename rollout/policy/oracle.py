@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from rollout.policy.memory import clamp_cap
-from rollout.policy.base import StepState, backfill_candidates, register
+from rollout.policy.base import StepState, backfill_candidates, register, resumes_first
 from rollout.policy.policies import StaticPolicy
 
 
@@ -169,7 +169,7 @@ class OraclePolicy(StaticPolicy):
                                   state.waiting_remaining, capacity, state.block_size, state.running_group,
                                   state.waiting_group, state.running_shared, state.waiting_shared, self.horizon_tokens)
         blocked = admit < len(state.waiting_tokens)  # the head's first request left out waits
-        if blocked:
+        if blocked and not resumes_first(state, admit):
             positions, candidates = backfill_candidates(state, admit)
             sharing = state.running_shared is not None
             picked = oracle_backfill(
