@@ -337,6 +337,29 @@ def test_short_requests_behind_a_blocked_long_one_run_beside_the_running_long_on
     assert run.finished == 4 and run.result.preemptions == 0
 
 
+def test_nothing_is_backfilled_past_a_preempted_request(build):
+    """The oracle looking 8 tokens ahead admits L1 and L2 together; they outgrow the cache and vLLM preempts L2
+    (as far along as L1, admitted last), which goes back to the queue's head and does not fit beside L1. A short
+    request that arrived meanwhile would fit there: it is not admitted past L2, which resumes first (once L1 ends),
+    and the short one starts with it, not before."""
+    scheduler = build({"name": "oracle", "b_max": 8, "forecast_min_wave": 0.0, "forecast_horizon_tokens": 8},
+                      num_blocks=11, max_num_seqs=8)
+    run = Run(scheduler, [request("L1", 20, 100), request("L2", 20, 100)])
+    events, running = [], set()
+    for k, output in enumerate(run.steps()):
+        if k == 30:  # L1 and L2 fill the cache: it waits
+            run.add([request("s1", 20, 4)])
+        now = {r.request_id for r in scheduler.running}
+        events += [(k, "preempted", r) for r in sorted(output.preempted_req_ids or ())]
+        events += [(k, "start", r) for r in sorted(now - running)]
+        running = now
+    assert run.finished == 3
+    preempted = events.index(next(e for e in events if e[1:] == ("preempted", "L2")))
+    resumed = next(k for k, kind, r in events[preempted:] if (kind, r) == ("start", "L2"))
+    short = next(k for k, kind, r in events if (kind, r) == ("start", "s1"))
+    assert events[preempted][0] < resumed <= short
+
+
 # Preemption
 
 
