@@ -195,3 +195,30 @@ def test_the_adapter_tells_the_policy_which_group_finished(tiny_model, tmp_path)
     informed = [s["sibling_informed"] for s in result.trace if "sibling_informed" in s]
     assert informed and max(informed) > 0
     assert 0 < result.summary["generated_tokens"] <= 4 * sum(lengths)  # samples may stop early, at EOS
+
+
+def tail_bound_first_pass(long_groups: int, rng) -> SiblingLengths:
+    """A first pass of tail-bound's classes, mid-pass: `long_groups` groups ten times longer have finished four
+    samples each, 60 short groups their probe; 0.3 in log length within a group."""
+    siblings = SiblingLengths()
+    finished_groups(siblings, rng, groups=long_groups, per_group=4, between=0.1, within=0.09, mu=np.log(5000))
+    for g in range(long_groups, long_groups + 60):
+        siblings.observe(g, 500 * np.exp(rng.normal(0, 0.3)), 1.0)
+    return siblings
+
+
+def test_a_first_pass_narrows_half_its_spread_to_what_its_finished_groups_show():
+    # The pass's spread (above 1 in log length) is the classes'. Read as half a group's own, a short group's
+    # waiting samples would be forecast well above their probe; the long groups' finished samples show 0.09.
+    narrow = tail_bound_first_pass(10, np.random.default_rng(5))
+    short = np.arange(10, 70)
+    informed = narrow.informed(short, np.zeros(60), np.ones(60), running=0)
+    probes = narrow.total[short]  # one finished sample each: its log length
+    assert np.abs(informed.pivot + informed.offset - probes).max() < 0.15
+    assert informed.spread.max() < 0.5
+    # Fewer groups with two finished samples than MIN_GROUPS: half the pass's spread stands.
+    wide = tail_bound_first_pass(SiblingLengths.MIN_GROUPS - 1, np.random.default_rng(5))
+    short = np.arange(SiblingLengths.MIN_GROUPS - 1, SiblingLengths.MIN_GROUPS + 59)
+    half = wide.informed(short, np.zeros(60), np.ones(60), running=0)
+    assert np.mean(half.pivot + half.offset - wide.total[short]) > 0.2  # forecast longer than they run
+    assert half.spread.min() > informed.spread.max()

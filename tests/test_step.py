@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rollout.policy import PolicyConfig, StepState, make_policy
+from rollout.policy.forecast import SiblingLengths
 from rollout.policy.step import (GROUP, MAX_TOKENS, NUM_COLUMNS, PREEMPTION_CANDIDATES, PROMPT, SHARED, PassShape,
                                  Requests, StepGate, decide, describe_requests, least_progress_last,
                                  preemption_possible)
@@ -76,10 +77,12 @@ def test_the_description_gives_the_arrays_the_adapter_gave(recorded):
     assert cut > 10  # the recording exercises the cut at the free KV, not only the headroom
 
 
-def test_a_policy_replayed_through_the_description_gives_the_recorded_caps(recorded):
+def test_a_policy_replayed_through_the_description_gives_the_recorded_caps(recorded, monkeypatch):
     config = recorded["config"]
     assert config["policy"] == "forecast"
-    # The recording's settings: no backfilling, the margin unbounded.
+    # The recording's settings: no backfilling, the margin unbounded; and it predates the first pass's within-group
+    # spread narrowed by the groups that finished (SiblingLengths._first_pass_within): half the pass's, as then.
+    monkeypatch.setattr(SiblingLengths, "_first_pass_within", lambda self, sd: sd ** 2 / 2)
     policy = make_policy(PolicyConfig(name="forecast", b_max=config["max_cap"], order="longest_first",
                                       forecast_backfill=False, forecast_margin_cap=1.0,
                                       forecast_margin_cap_predicted=1.0))

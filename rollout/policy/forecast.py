@@ -333,12 +333,13 @@ class SiblingLengths:
     offset is its posterior mode given its finished samples (exact) and its running ones (censored: longer than
     what they generated so far, so the first, short finishers do not pull the group down alone). mu and the
     total spread come from a censored fit over the pass; the within-group spread from the previous pass's
-    groups (complete by then), or half the total in a first pass: a pass's first finishers are its short ones,
-    and the true (smaller) share narrows their groups too far (docs/results.md)."""
+    groups (complete by then), or in a first pass half the total, narrowed where the groups with finished
+    samples show less (`_first_pass_within`)."""
 
     # Finished samples (any group) before offsets are estimated: a pass's first fit (short finishers, many
     # censored) over-narrows with fewer.
     MIN_FINISHED = 64
+    MIN_GROUPS = 8  # groups with two finished samples before their pooled spread is read
     NEWTON_STEPS = 6
 
     def __init__(self) -> None:
@@ -357,13 +358,35 @@ class SiblingLengths:
 
     def start_pass(self, fresh: bool = True) -> None:
         self.fresh = fresh
-        multi = self.count >= 2  # at a pass's end every group is complete: an unbiased within-group spread
-        if np.count_nonzero(multi) >= 8:
-            deviation = self.sum_squares[multi] - self.total[multi] ** 2 / self.count[multi]
-            # Floored: samples of a prompt with one length (greedy decoding, imposed lengths) have none, and a
-            # zero spread would divide by zero in `informed`.
-            self.within_var = max(float(deviation.sum() / (self.count[multi] - 1).sum()), WITHIN_VAR_MIN)
+        # At a pass's end every group is complete: an unbiased within-group spread. Floored: samples of a prompt
+        # with one length (greedy decoding, imposed lengths) have none, and a zero spread would divide by zero in
+        # `informed`.
+        pooled = self._pooled_within()
+        if pooled is not None:
+            self.within_var = pooled
         self._reset()
+
+    def _pooled_within(self) -> float | None:
+        """The within-group variance pooled over the groups with two or more finished samples, None while fewer
+        than MIN_GROUPS have them."""
+        multi = self.count >= 2
+        if np.count_nonzero(multi) < self.MIN_GROUPS:
+            return None
+        deviation = self.sum_squares[multi] - self.total[multi] ** 2 / self.count[multi]
+        return max(float(deviation.sum() / (self.count[multi] - 1).sum()), WITHIN_VAR_MIN)
+
+    def _first_pass_within(self, sd: float) -> float:
+        """A pass without an earlier one's groups: half the pass's spread `sd` (in variance), or less where the
+        groups whose samples have finished show less. Half the spread alone overstates a group's own where prompts
+        differ by classes (tail-bound: a minority ten times longer, its groups first in a longest-first pass; mid-
+        pass the finished samples, the short probes and the long groups, spread 1.1-1.4 in log length, and half
+        that variance is a spread of 0.8-1.0, against 0.3 within a group): a short group's waiting samples, known by their probe, are
+        forecast far longer than they run, and the cache runs part empty as they start (docs/results.md,
+        "tail-bound"). The pooled spread of the groups that finished two or more samples reads low early (a
+        group's short samples end first, and one short finisher among long-running siblings would pull its
+        group down), so it is taken twice over, and only ever narrows the half."""
+        pooled = self._pooled_within()
+        return sd ** 2 / 2 if pooled is None else min(sd ** 2 / 2, 2 * pooled)
 
     def observe(self, group: int, output_tokens: float, scale: float) -> None:
         if group < 0:
@@ -406,7 +429,8 @@ class SiblingLengths:
             mu, sd = censored_normal_fit(values, np.ones(len(values)), censored, np.ones(len(censored)))
             self._fit = (len(values), mu, max(sd, 1e-3))
         _, mu, sd = self._fit
-        within = max(min(self.within_var if self.within_var is not None else sd ** 2 / 2, sd ** 2), WITHIN_VAR_MIN)
+        within = max(min(self.within_var if self.within_var is not None else self._first_pass_within(sd), sd ** 2),
+                     WITHIN_VAR_MIN)
         between = max(sd ** 2 - within, 1e-4)
         used, index = np.unique(groups[known], return_inverse=True)
         count, total = self.count[used], self.total[used]
