@@ -83,8 +83,8 @@ def resumes_first(state: StepState, admitted: int) -> bool:
     """Whether the head's first request left out (after `admitted`) was preempted: it holds output tokens. Nothing
     is backfilled past it. A preempted request was admitted before the requests behind it (longest first, the
     pass's end) and has least output of those running; a request admitted past it takes the memory it needs to
-    resume, and each finish lets in more of them, so it waits until the queue behind it is gone (100-250 s of a
-    250-450 s pass in the simulator's tail-bound runs) and ends the pass after the cache has emptied."""
+    resume, and each finish lets in more of them, so it waits until the queue behind it is gone (up to 390 s of a
+    464 s pass in the simulator's tail-bound runs) and ends the pass after the cache has emptied."""
     generated = state.waiting_generated
     return generated is not None and admitted < len(generated) and generated[admitted] > 0
 

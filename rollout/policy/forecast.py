@@ -27,7 +27,7 @@ import numpy as np
 
 from rollout.policy.length_stats import HISTOGRAM_BIN_TOKENS, add_to_bin
 from rollout.policy.memory import clamp_cap
-from rollout.policy.base import StepState, register
+from rollout.policy.base import StepState, register, resumes_first
 from rollout.policy.policies import MemoryPolicy
 
 
@@ -358,17 +358,15 @@ class SiblingLengths:
 
     def start_pass(self, fresh: bool = True) -> None:
         self.fresh = fresh
-        # At a pass's end every group is complete: an unbiased within-group spread. Floored: samples of a prompt
-        # with one length (greedy decoding, imposed lengths) have none, and a zero spread would divide by zero in
-        # `informed`.
-        pooled = self._pooled_within()
+        pooled = self._pooled_within()  # at a pass's end every group is complete: an unbiased spread
         if pooled is not None:
             self.within_var = pooled
         self._reset()
 
     def _pooled_within(self) -> float | None:
         """The within-group variance pooled over the groups with two or more finished samples, None while fewer
-        than MIN_GROUPS have them."""
+        than MIN_GROUPS have them. Floored: samples of a prompt with one length (greedy decoding, imposed lengths)
+        have none, and a zero spread would divide by zero in `informed`."""
         multi = self.count >= 2
         if np.count_nonzero(multi) < self.MIN_GROUPS:
             return None
@@ -380,11 +378,11 @@ class SiblingLengths:
         groups whose samples have finished show less. Half the spread alone overstates a group's own where prompts
         differ by classes (tail-bound: a minority ten times longer, its groups first in a longest-first pass; mid-
         pass the finished samples, the short probes and the long groups, spread 1.1-1.4 in log length, and half
-        that variance is a spread of 0.8-1.0, against 0.3 within a group): a short group's waiting samples, known by their probe, are
-        forecast far longer than they run, and the cache runs part empty as they start (docs/results.md,
-        "tail-bound"). The pooled spread of the groups that finished two or more samples reads low early (a
-        group's short samples end first, and one short finisher among long-running siblings would pull its
-        group down), so it is taken twice over, and only ever narrows the half."""
+        that variance is a spread of 0.8-1.0, against 0.3 within a group): a short group's waiting samples, known
+        by their probe, are forecast far longer than they run, and the cache runs part empty as they start
+        (docs/results.md, "tail-bound"). The pooled spread of the groups that finished two or more samples reads
+        low early (a group's short samples end first, and one short finisher among long-running siblings would
+        pull its group down), so it is taken twice over, and only ever narrows the half."""
         pooled = self._pooled_within()
         return sd ** 2 / 2 if pooled is None else min(sd ** 2 / 2, 2 * pooled)
 
@@ -658,8 +656,9 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     admissions pass). `backfill`: where a request of the head is left out, the head's later requests and then
     the described tail (`StepState.tail_*`, `informed` rows after the waiting ones) are tried in that order, each
     admitted if it fits by the same test beside those before it and the left-out request's demand from the
-    earliest time it fits (first fit; `Admission.backfill`); none past a preempted request (`resumes_first`). `margin_cap`: the theta standard deviations kept
-    free are at most this share of the cache (1: the whole cache, no bound)."""
+    earliest time it fits (first fit; `Admission.backfill`); none past a preempted request (`resumes_first`).
+    `margin_cap`: the theta standard deviations kept free are at most this share of the cache (1: the whole
+    cache, no bound)."""
     running_tokens, running_generated = state.running_tokens, state.running_generated
     waiting_tokens, waiting_generated = state.waiting_tokens, state.waiting_generated
     running_scale, waiting_scale = state.running_scale, state.waiting_scale
@@ -796,7 +795,7 @@ def expected_demand_admissions(state: StepState, lengths: CensoredLengths, theta
     admitted_mean, admitted_var = (base_mean, base_var) if admit == 0 else (total_mean[admit - 1],
                                                                             total_var[admit - 1])
     answer = result(admit, admitted_mean, admitted_var, peak, over)
-    if backfill and admit < head and not waiting_generated[admit]:  # see `resumes_first`
+    if backfill and admit < head and not resumes_first(state, admit):
         mean, var = demand(n + head + tail)
         # The first request left out keeps its place (EASY backfilling): its demand from the earliest future
         # time it fits at, which a backfilled request must leave room for. Without one the short requests
