@@ -82,10 +82,11 @@ class PolicyConfig:
         "Once the forecast rests on finished lengths, it holds the running and admitted requests' demand within the "
         "cache for this many output tokens ahead, not up to the longest predicted request's end (0: to the end). It "
         "is run again at each finish, and the far future rests on the fitted tail of the length estimate, whose "
-        "peak kept a long queue out of memory that the nearer future had free. Over three seeds in the simulator: "
-        "tail-bound's variants 1.008-1.022x vLLM's default against 0.986-1.005x to the end, recomputing less; the "
-        "suite's other profiles within 1% and recomputing no more (docs/results.md, \"tail-bound\"). The length "
-        "oracle takes the same horizon (0: it reserves each request's true peak and never preempts).")})
+        "peak kept a long queue out of memory that the nearer future had free. On one H200, tail-bound's "
+        "Qwen2.5-7B-shaped variant (seed 2, both passes) ran at 1.031x vLLM's default against 1.011x to the end; "
+        "in the simulator the suite's other profiles move by under 1%, recomputing no more (docs/results.md, "
+        "\"tail-bound\"). The length oracle takes the same horizon (0: it reserves each request's true peak and "
+        "never preempts).")})
     forecast_after_share: float = field(default=0.1, metadata={"help": (
         "The prior stays until this share of the running requests have finished, in [0, 1].")})
     forecast_pointwise_running_peak: bool = field(default=True, metadata={"help": (
@@ -109,13 +110,14 @@ class PolicyConfig:
         "against 1.007-1.032x (recomputing 20-32% net against 14-21%; new prompts every iteration or the same), "
         "the Qwen2.5-7B-shaped one 1.033x and 1.051x against 1.040x and 1.053x, grpo-groups 1.216x against 1.206x "
         "and real 1.135x against 1.130x (recomputing 2.4% and 2.8% net against 1.4% and 1.0%; seeds 0-1), "
-        "kv-bound, cap-bound and long-cot within 0.3%; not yet measured on a GPU (docs/results.md, "
+        "kv-bound, cap-bound and long-cot within 0.3%; on one H100 the Qwen2.5-7B-shaped variant's first pass runs "
+        "at 1.068x vLLM's default (three interleaved pairs; docs/results.md, "
         "\"tail-bound\").")})
     forecast_margin_cap_predicted: float = field(default=0.1, metadata={"help": (
         "forecast_margin_cap for a pass whose requests carry predicted lengths (their prompts ran in an earlier pass, "
         "the per-prompt memory): the prompts' means are known then, and the groups' spread that the margin adds up "
-        "overstates what is left. Below 0.1 it gains on one tail-bound variant and loses on another, recomputing "
-        "more (docs/results.md, \"tail-bound\").")})
+        "overstates what is left. 0.03 gains 0.3-0.6% on tail-bound's variants that bring their prompts back and "
+        "recomputes 1.8% more of grpo-groups' tokens in the simulator (docs/results.md, \"tail-bound\").")})
     forecast_margin_feedback: bool = field(default=False, metadata={"help": (
         "Narrow the forecast's margin while nothing is preempted and admissions wait; widen it on preemption.")})
     forecast_backfill: bool = field(default=True, metadata={"help": (
