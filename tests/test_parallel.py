@@ -94,7 +94,10 @@ def test_a_killed_engine_share_is_rerun_exactly_once(tiny_model, tmp_path):
     from rollout.engine import RolloutEngine
     from rollout.parallel import ParallelEngines
 
-    overrides = [f"model.path={tiny_model}", "data.source=unused", "sampling.n=2", "sampling.max_tokens=24",
+    # Samples of 256 tokens: an engine's share lasts seconds, far longer than the half second between the checks
+    # below, so engine 1 is seen holding samples it has not finished (at 24 tokens a share took about half a
+    # second, and it could start and finish between two checks).
+    overrides = [f"model.path={tiny_model}", "data.source=unused", "sampling.n=2", "sampling.max_tokens=256",
                  "sampling.temperature=0", "sampling.ignore_eos=true", "model.kv_cache_memory_bytes=8388608",
                  "model.max_model_len=512", "output.progress=false",
                  # Two running and two waiting per engine: each takes a prompt or two at a time.
