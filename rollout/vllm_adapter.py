@@ -14,7 +14,8 @@ the step's token budget (`max_num_scheduled_tokens`, read fresh by every schedul
 With a KV connector (KV offloading), a request whose blocks are being loaded waits outside the running set while
 it holds them, and vLLM starts such loads for as many waiting requests as the free blocks allow, whatever the cap:
 the adapter shows the policy those requests as running, and lets vLLM's admission loop reach only as many of the
-waiting requests as the cap leaves room for (`_meter`).
+waiting requests as the cap leaves room for (`_meter`). A request that has generated nothing loads nothing: it
+computes its prompt (`fresh_requests_load_nothing`).
 
 Invariants: every request of a pass has a row in `PassState.table` from add_request until the pass ends; every
 finish passes `_free_request` once and reaches the policy at the next schedule(), before it is asked; the policy is
@@ -322,6 +323,9 @@ class _DynamicBatchMixin:
         self._prompt_keys: dict[str, str] = {}  # request id -> its prompt's key (rollout.policy.length_stats)
         self._drafted = False  # whether the last step set drafts
         self._verified = [0, 0]  # draft and accepted tokens of the step whose output is being read
+        if self.connector is not None:
+            self.connector.get_num_new_matched_tokens = fresh_requests_load_nothing(
+                self.connector.get_num_new_matched_tokens)
 
     def add_request(self, request) -> None:
         started = time.perf_counter()
@@ -723,6 +727,29 @@ class NoWorkerDrafts:
 
     def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
         return [[] for _ in sampled_token_ids]
+
+
+def fresh_requests_load_nothing(lookup):
+    """The KV connector's lookup (`get_num_new_matched_tokens`: what host memory holds of a request past the GPU's
+    prefix cache), asked for nothing on behalf of a request that has generated no token. Such a request has
+    nothing of its own in host memory, only its prompt's blocks that a sibling wrote there and the GPU's cache no
+    longer holds in full; vLLM would load them asynchronously, the request waiting a step or more outside the
+    running set while it holds its blocks, and a group's samples, admitted together where nothing is loaded,
+    would come in one at a time, the last of them preempted first (the least output). Its prompt's prefill is
+    cheap beside the decode it starts (a token's prefill about a tenth of a decode step's share); a preempted
+    request, which has generated tokens, still loads them back. The connector's own path for a request that
+    reads no cache (`skip_reading_prefix_cache`, vLLM 0.26 and 0.32) answers: it finds no hit and counts none."""
+
+    def lookup_past_the_prompt(request, *args, **kwargs):
+        if request.num_output_tokens or request.skip_reading_prefix_cache:
+            return lookup(request, *args, **kwargs)
+        request.skip_reading_prefix_cache = True  # read only by the connector's lookup within this call
+        try:
+            return lookup(request, *args, **kwargs)
+        finally:
+            request.skip_reading_prefix_cache = False
+
+    return lookup_past_the_prompt
 
 
 class DynamicBatchScheduler(_DynamicBatchMixin, Scheduler):

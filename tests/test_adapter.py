@@ -483,6 +483,41 @@ def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(bu
     assert all(s["running"] + s.get("kv_held", 0) <= s["cap"] for s in steps)
 
 
+@pytest.mark.parametrize("cls", [Scheduler, DynamicBatchScheduler])
+def test_a_request_that_generated_nothing_computes_its_prompt_instead_of_loading_it(build, cls):
+    """With KV offloading, host memory keeps a prompt's blocks after the GPU's prefix cache has reused them. A
+    sample of that prompt arriving then would load them (vLLM's own scheduler does: the sample waits outside the
+    running set for the load); the adapter has it compute its prompt instead, admitted at once. One sample runs
+    alone and finishes, another prompt's request takes the cache its blocks held, then a sibling arrives."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    scheduler = build({"name": "forecast", "b_max": 8}, num_blocks=9, prefix_caching=True,
+                      host_offload_bytes=1 << 24, cls=cls)
+
+    def sample(name: str, prompt: list[int], max_tokens: int) -> Request:
+        return Request(request_id=name, prompt_token_ids=prompt, pooling_params=None, block_hasher=hasher,
+                       sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    prompt = [7] * (3 * BLOCK)
+    Run(scheduler, [sample("first", prompt, 8)]).run()
+    Run(scheduler, [sample("other", [9] * (3 * BLOCK), 5 * BLOCK)]).run()  # the 8 usable blocks
+    sibling = sample("sibling", prompt, 8)
+    run, first_step, statuses = Run(scheduler, [sibling]), None, []
+    for output in run.steps():
+        statuses.append(sibling.status)
+        if first_step is None and "sibling" in output.num_scheduled_tokens:
+            first_step = output.num_scheduled_tokens["sibling"]
+    assert len(sibling.output_token_ids) == 8
+    loaded = RequestStatus.WAITING_FOR_REMOTE_KVS in statuses
+    if cls is Scheduler:  # the scene loads where nothing prevents it
+        assert loaded and first_step < len(prompt)
+    else:
+        assert not loaded and first_step == len(prompt)
+
+
 @pytest.mark.parametrize("policy, order", [("static", None), ("forecast", "least_computed"),
                                            ("forecast", "least_output"), ("forecast", "vllm")])
 def test_preemption_takes_the_request_that_computed_least_where_the_policy_orders_it(build, policy, order):
