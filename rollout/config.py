@@ -95,10 +95,11 @@ class ModelConfig:
         "GiB of host memory for vLLM's native KV offloading (its OffloadingConnector, what kv_offloading_size "
         "sets up, here storing generated tokens as well as prompts): each full KV block is also written to host "
         "memory, and a preempted request, when it resumes, loads what it had computed from there instead of "
-        "computing it again; null: off. GPU only; experimental: on an H200 it recomputed far less but ran slower, "
-        "preempting twelve times as often, before requests loading their blocks counted against the cap; with "
-        "that fix one H200 run of tail-bound's first pass had not finished 138 s in, against 117 s without "
-        "(docs/results.md, tail-bound).")})
+        "computing it again; the forecast then keeps no margin (policy.forecast_margin_cap_offloading). null: off. "
+        "GPU only; experimental: in vLLM's scheduler in simulated time it runs tail-bound's variants at 1.05-1.08x "
+        "vLLM's default, recomputing 0.2-0.6% net, but the runs on an H200 predate two fixes (requests loading "
+        "blocks count against the cap; a request that has generated nothing computes its prompt instead of "
+        "loading it) and ran slower than without it (docs/results.md, tail-bound).")})
     engine_kwargs: dict = field(default_factory=dict, metadata={"help": (
         "Extra keyword arguments for vllm.LLM (e.g. compilation_config on GPU); they win over the settings "
         "above.")})

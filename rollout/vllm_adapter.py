@@ -267,6 +267,8 @@ class _DynamicBatchMixin:
         if settings.get("end_with_parent"):
             end_with_parent()
         config = PolicyConfig.from_dict(settings["policy"])
+        if self.connector is not None:  # a preempted request loads its blocks back (KV offloading)
+            config = config.under_kv_offloading()
         state_dir = settings.get("state_dir")
         self.state_dir = Path(state_dir) if state_dir else None
         if self.state_dir is not None:

@@ -483,6 +483,17 @@ def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(bu
     assert all(s["running"] + s.get("kv_held", 0) <= s["cap"] for s in steps)
 
 
+@pytest.mark.parametrize("offloading", [False, True])
+def test_with_kv_offloading_the_forecast_keeps_no_margin(build, offloading):
+    """The adapter runs its policy under `PolicyConfig.under_kv_offloading` where vLLM has a KV connector: both
+    margin bounds are forecast_margin_cap_offloading; without one they are the configured bounds."""
+    scheduler = build({"name": "forecast", "b_max": 8, "forecast_margin_cap": 0.05,
+                       "forecast_margin_cap_predicted": 0.2, "forecast_margin_cap_offloading": 0.01},
+                      prefix_caching=True, host_offload_bytes=(1 << 24) if offloading else None)
+    policy = scheduler.batch_policy.policy
+    assert (policy.margin_cap, policy.margin_cap_predicted) == ((0.01, 0.01) if offloading else (0.05, 0.2))
+
+
 @pytest.mark.parametrize("cls", [Scheduler, DynamicBatchScheduler])
 def test_a_request_that_generated_nothing_computes_its_prompt_instead_of_loading_it(build, cls):
     """With KV offloading, host memory keeps a prompt's blocks after the GPU's prefix cache has reused them. A

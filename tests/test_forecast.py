@@ -493,6 +493,24 @@ def test_the_margin_is_bounded_tighter_where_requests_carry_predicted_lengths(pr
     assert policy.last.admitted == (8 if predicted else 6)  # the room the tighter bound frees is admitted
 
 
+@pytest.mark.parametrize("predicted", [False, True])
+def test_under_kv_offloading_the_forecast_admits_on_the_expected_demand(predicted):
+    """Where a preempted request loads its blocks back from host memory, the margin is
+    forecast_margin_cap_offloading (0 by default) in every pass: the state of the test above admits what the
+    expected demand alone leaves room for, more than either bound there."""
+    config = PolicyConfig(eps_m=0.001, b_max=64, forecast_after=8, forecast_margin_cap=0.2,
+                          forecast_margin_cap_predicted=0.1)
+    policy = policy_with_lengths(config.under_kv_offloading(), 100, 1.0, 3)
+    scales = dict(running_scale=np.ones(4), waiting_scale=np.ones(20)) if predicted else {}
+    state = StepState(num_running=4, num_waiting=20, kv_capacity_blocks=60, block_size=16,
+                      running_tokens=np.full(4, 60), running_generated=np.full(4, 44),
+                      waiting_tokens=np.full(20, 16), waiting_generated=np.zeros(20, dtype=np.int64), **scales)
+    policy.batch_cap(state)
+    expected = expected_demand_admissions(state, policy.lengths, 0.0)
+    assert policy.last.margin_blocks == 0 and expected.margin_tokens == 0
+    assert policy.last.admitted == expected.count > 8
+
+
 @pytest.mark.parametrize("horizon", [1000, 0])
 def test_past_the_cold_start_the_forecast_holds_demand_within_the_cache_for_its_horizon(horizon):
     """Running requests forecast to outgrow the cache 4,000 tokens from now, and not within 1,000: looking 1,000

@@ -85,7 +85,10 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
     stats = lengths = None
     if bench.start_iteration:  # what the bench's engine starts from (`learned_state`)
         stats, lengths = learned_state(profile, bench.seed, bench.vocab_size, bench.start_iteration, settings)
-    policy = make_policy(settings, stats, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
+    config = PolicyConfig.from_dict(settings)
+    if bench.kv_offloading_gib:  # as the adapter under vLLM's KV connector
+        config = config.under_kv_offloading()
+    policy = make_policy(config, stats, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
     memory = PromptMemory(lengths, "longest_first", probes)  # the scheduler's (rollout.vllm_adapter)
     offload = None
     if bench.kv_offloading_gib:
