@@ -44,14 +44,33 @@ def config_only_model(folder: Path, vocab_size: int = 1024, max_model_len: int =
     return folder
 
 
+# A token's KV bytes in the scheduler's own cache spec (one layer, one head of size 1, float32: a key and a value),
+# by which vLLM's offloading divides the host memory it is given.
+SPEC_KV_BYTES_PER_TOKEN = 8
+
+
+def host_bytes_for(host_offload_bytes: int, kv_bytes_per_token: int | None, block_size: int) -> int:
+    """The host memory to give vLLM's offloading over this scheduler's cache spec for it to hold as many blocks as
+    `host_offload_bytes` holds of a model's KV of `kv_bytes_per_token` (None: the spec's own): vLLM divides it by a
+    block's bytes rounded up to its alignment."""
+    if kv_bytes_per_token is None:
+        return host_offload_bytes
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    align = getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1)
+    blocks = host_offload_bytes // (kv_bytes_per_token * block_size)
+    return blocks * -(-SPEC_KV_BYTES_PER_TOKEN * block_size // align) * align
+
+
 def build_scheduler(model_dir, additional_config: dict | None, *, num_blocks: int, block_size: int = 16,
                     max_num_seqs: int = 8, max_num_batched_tokens: int = 512, max_model_len: int = 1024, cls=None,
                     async_scheduling: bool = False, prefix_caching: bool = False,
-                    host_offload_bytes: int | None = None):
+                    host_offload_bytes: int | None = None, kv_bytes_per_token: int | None = None):
     """`cls` (vLLM's `Scheduler` where None) over `num_blocks` KV blocks (one of them vLLM's null block), with
     `additional_config` (rollout's scheduler reads its settings there: rollout.vllm_adapter.adapter_settings).
     `host_offload_bytes`: vLLM's native KV offloading to that much host memory (model.kv_offloading_gib), its
-    scheduler side."""
+    scheduler side; measured in a model's KV of `kv_bytes_per_token` (None: this scheduler's own, a few bytes a
+    token), so that host memory holds as many tokens as it would for that model."""
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -68,13 +87,16 @@ def build_scheduler(model_dir, additional_config: dict | None, *, num_blocks: in
         cache_config=CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching),
         kv_transfer_config=None if host_offload_bytes is None else KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": host_offload_bytes, "offload_prompt_only": False}),
+            kv_connector_extra_config={"cpu_bytes_to_use": host_bytes_for(host_offload_bytes, kv_bytes_per_token,
+                                                                          block_size),
+                                       "offload_prompt_only": False}),
         additional_config=additional_config or {})
     config.cache_config.num_gpu_blocks = num_blocks
     # As a GPU engine's config has it (vLLM's CPU platform turns async scheduling off while building the config).
     config.scheduler_config.async_scheduling = async_scheduling
     kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    assert kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes == SPEC_KV_BYTES_PER_TOKEN * block_size
     return (cls or Scheduler)(vllm_config=config, kv_cache_config=kv_cache, block_size=block_size, log_stats=False,
                               structured_output_manager=StructuredOutputManager(config))
 
@@ -257,7 +279,8 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
         num_blocks=profile.kv_cache_memory_bytes // kv_bytes_per_token // block_size + 1, block_size=block_size,
         max_num_seqs=int(settings["b_max"]) if ours else VLLM_DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens=token_budget, max_model_len=max_model_len,
-        cls=DynamicBatchScheduler if ours else None, prefix_caching=bench.prefix_caching, host_offload_bytes=host)
+        cls=DynamicBatchScheduler if ours else None, prefix_caching=bench.prefix_caching, host_offload_bytes=host,
+        kv_bytes_per_token=kv_bytes_per_token)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(block_size, sha256) if bench.prefix_caching else None
     results = []
