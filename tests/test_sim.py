@@ -460,3 +460,20 @@ def test_start_iteration_must_leave_a_pass_to_run():
     config = str(Path(__file__).parents[1] / "configs" / "bench" / "cpu-tail.yaml")
     with pytest.raises(ConfigError, match=r"start_iteration=2: .*tail-bound has 2"):
         load_bench_config(config, ["start_iteration=2"])
+
+
+@pytest.mark.parametrize("kv_bytes_per_token", [57344, 131072])
+def test_vllms_offloading_in_the_loop_holds_as_many_blocks_as_the_models_kv_fills(tmp_path, kv_bytes_per_token):
+    """rollout.sim.vllm_loop's scheduler has a cache spec of a few bytes a token; the host memory its offloading
+    is given is measured in the model's KV, so that it holds as many blocks as on the GPU (vLLM divides it by a
+    block's bytes rounded up to an alignment)."""
+    from rollout.sim.vllm_loop import build_scheduler, config_only_model
+
+    host = 32 * 2 ** 30
+    scheduler = build_scheduler(config_only_model(tmp_path / "model"), None, num_blocks=64, block_size=16,
+                                host_offload_bytes=host, kv_bytes_per_token=kv_bytes_per_token)
+    try:
+        manager = scheduler.connector.connector_scheduler.manager  # vLLM's CPUOffloadingManager (a block a chunk)
+        assert manager._num_chunks == host // (kv_bytes_per_token * 16)
+    finally:
+        scheduler.shutdown()
