@@ -123,10 +123,10 @@ class PolicyConfig:
         "(a KV connector: model.kv_offloading_gib), in [0, 1] (0: no margin, admission on the expected demand). A "
         "preempted request then loads what it had computed instead of computing it again, so the margin guards "
         "against little, while admit-and-preempt fills the cache: in vLLM's scheduler in simulated time (seeds 0-3, "
-        "32 GiB of host memory) no margin runs tail-bound's variants 0.8-2.1% faster than the bounds of a pass "
-        "without offloading, at 1.05-1.08x vLLM's default (1.02-1.04x where it offloads too), recomputing 0.2-0.6% "
-        "net; in the simulator, offloading, kv-bound, cap-bound, long-cot and grpo-groups move by under 0.6% and "
-        "real gains 1.4% (docs/results.md, \"tail-bound\").")})
+        "host memory holding what a pass preempts) no margin runs tail-bound's variants 0.8-2.1% faster than the "
+        "bounds of a pass without offloading, at 1.05-1.08x vLLM's default (1.02-1.04x where it offloads too), "
+        "recomputing 0.2-1.1% net; in the simulator (32 GiB) kv-bound, cap-bound, long-cot and grpo-groups move by "
+        "under 0.6% and real gains 1.4% (docs/results.md, \"tail-bound\").")})
     forecast_margin_feedback: bool = field(default=False, metadata={"help": (
         "Narrow the forecast's margin while nothing is preempted and admissions wait; widen it on preemption.")})
     forecast_backfill: bool = field(default=True, metadata={"help": (
