@@ -28,6 +28,7 @@ from rollout.data import Prompt, has_tokenizer
 from rollout.models import resolve_model
 from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import probe_first_order
+from rollout.vllm_compat import OFFLOADING_CONNECTOR
 
 TRACE_FILE = "trace.jsonl"
 STATS_FILE = "length_stats.json"
@@ -180,7 +181,7 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
         # default it stores prompts only, for prefix reuse across requests, and a preempted request would compute
         # its output again.
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector=OFFLOADING_CONNECTOR, kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": int(m.kv_offloading_gib * 2 ** 30),
                                        "offload_prompt_only": False})
     if not has_tokenizer(model_path):  # a config-only shape (dummy weights): prompts come as token ids

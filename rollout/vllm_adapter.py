@@ -14,8 +14,9 @@ the step's token budget (`max_num_scheduled_tokens`, read fresh by every schedul
 With a KV connector (KV offloading), a request whose blocks are being loaded waits outside the running set while
 it holds them, and vLLM starts such loads for as many waiting requests as the free blocks allow, whatever the cap:
 the adapter shows the policy those requests as running, and lets vLLM's admission loop reach only as many of the
-waiting requests as the cap leaves room for (`_meter`). A request that has generated nothing loads nothing: it
-computes its prompt (`fresh_requests_load_nothing`).
+waiting requests as the cap leaves room for (`_meter`). Under vLLM's offloading connector (model.kv_offloading_gib)
+a request that has generated nothing loads nothing, computing its prompt (`fresh_requests_load_nothing`), and the
+policy runs under `PolicyConfig.under_kv_offloading`.
 
 Invariants: every request of a pass has a row in `PassState.table` from add_request until the pass ends; every
 finish passes `_free_request` once and reaches the policy at the next schedule(), before it is asked; the policy is
@@ -55,7 +56,7 @@ from rollout.policy.speculation import draft_length, tokens_tested
 from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, least_progress_last,
                                  preemption_possible, promote_to_front, shared_prompt_blocks)
 from rollout.trace import NoTrace, StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
-from rollout.vllm_compat import check_scheduler_hooks, held_queue_attribute
+from rollout.vllm_compat import OFFLOADING_CONNECTOR, check_scheduler_hooks, held_queue_attribute
 
 # The private names overridden or read here, checked once against the installed vLLM (a renamed hook would silently
 # stop being called): an ImportError names the version. The admission cap's attribute differs between versions.
@@ -267,8 +268,12 @@ class _DynamicBatchMixin:
         if settings.get("end_with_parent"):
             end_with_parent()
         config = PolicyConfig.from_dict(settings["policy"])
-        if self.connector is not None:  # a preempted request loads its blocks back (KV offloading)
+        transfer = self.vllm_config.kv_transfer_config
+        if transfer is not None and transfer.kv_connector == OFFLOADING_CONNECTOR:
+            # A preempted request loads its blocks back from host memory; a fresh one computes its prompt.
             config = config.under_kv_offloading()
+            self.connector.get_num_new_matched_tokens = fresh_requests_load_nothing(
+                self.connector.get_num_new_matched_tokens)
         state_dir = settings.get("state_dir")
         self.state_dir = Path(state_dir) if state_dir else None
         if self.state_dir is not None:
@@ -325,9 +330,6 @@ class _DynamicBatchMixin:
         self._prompt_keys: dict[str, str] = {}  # request id -> its prompt's key (rollout.policy.length_stats)
         self._drafted = False  # whether the last step set drafts
         self._verified = [0, 0]  # draft and accepted tokens of the step whose output is being read
-        if self.connector is not None:
-            self.connector.get_num_new_matched_tokens = fresh_requests_load_nothing(
-                self.connector.get_num_new_matched_tokens)
 
     def add_request(self, request) -> None:
         started = time.perf_counter()

@@ -33,8 +33,13 @@ CAP_ATTRIBUTES = ("max_num_active_reqs", "max_num_running_reqs")
 # requests in `skipped_waiting` with others it set aside for a step.
 HELD_QUEUES = ("kv_holding_waiting", "skipped_waiting")
 # What the adapter reads of a request; `_output_token_ids` is the private list behind `num_output_tokens`.
+# `skip_reading_prefix_cache` is set for the span of a KV connector's lookup (`fresh_requests_load_nothing`).
 REQUEST_ATTRIBUTES = ("request_id", "sampling_params", "prompt_token_ids", "max_tokens", "num_prompt_tokens",
-                      "num_computed_tokens", "num_output_tokens", "_output_token_ids")
+                      "num_computed_tokens", "num_output_tokens", "_output_token_ids", "skip_reading_prefix_cache")
+# vLLM's native KV offloading connector, which `model.kv_offloading_gib` sets up: the adapter's offloading rules
+# (rollout.vllm_adapter) apply under it alone, not under connectors that load KV a request has never computed here
+# (disaggregated prefill).
+OFFLOADING_CONNECTOR = "OffloadingConnector"
 
 
 def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type | None = None) -> str:

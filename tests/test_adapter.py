@@ -166,7 +166,8 @@ def test_a_missing_hook_is_named_with_the_vllm_version():
 
     bare_request = type("Request", (), {"__init__": renamed_init, **{
         name: None for name in ("request_id", "sampling_params", "prompt_token_ids", "max_tokens",
-                                "num_prompt_tokens", "num_computed_tokens", "num_output_tokens")}})
+                                "num_prompt_tokens", "num_computed_tokens", "num_output_tokens",
+                                "skip_reading_prefix_cache")}})
     with pytest.raises(ImportError, match=r"it lacks Request\._output_token_ids \("):
         check_scheduler_hooks(request_cls=bare_request)
 
@@ -485,8 +486,8 @@ def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(bu
 
 @pytest.mark.parametrize("offloading", [False, True])
 def test_with_kv_offloading_the_forecast_keeps_no_margin(build, offloading):
-    """The adapter runs its policy under `PolicyConfig.under_kv_offloading` where vLLM has a KV connector: both
-    margin bounds are forecast_margin_cap_offloading; without one they are the configured bounds."""
+    """The adapter runs its policy under `PolicyConfig.under_kv_offloading` under vLLM's offloading connector:
+    both margin bounds are forecast_margin_cap_offloading; without it they are the configured bounds."""
     scheduler = build({"name": "forecast", "b_max": 8, "forecast_margin_cap": 0.05,
                        "forecast_margin_cap_predicted": 0.2, "forecast_margin_cap_offloading": 0.01},
                       prefix_caching=True, host_offload_bytes=(1 << 24) if offloading else None)

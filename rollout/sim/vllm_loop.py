@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout.sim.engine import StepTimeModel
+from rollout.vllm_compat import OFFLOADING_CONNECTOR
 
 
 def sampled_token(request_id: str) -> int:
@@ -86,7 +87,7 @@ def build_scheduler(model_dir, additional_config: dict | None, *, num_blocks: in
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching),
         kv_transfer_config=None if host_offload_bytes is None else KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector=OFFLOADING_CONNECTOR, kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": host_bytes_for(host_offload_bytes, kv_bytes_per_token,
                                                                           block_size),
                                        "offload_prompt_only": False}),
