@@ -56,7 +56,8 @@ from rollout.policy.speculation import draft_length, tokens_tested
 from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGate, decide, least_progress_last,
                                  preemption_possible, promote_to_front, shared_prompt_blocks)
 from rollout.trace import NoTrace, StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
-from rollout.vllm_compat import OFFLOADING_CONNECTOR, check_scheduler_hooks, held_queue_attribute
+from rollout.vllm_compat import (OFFLOADING_CONNECTOR, check_scheduler_hooks, held_queue_attribute,
+                                 preemption_stops_at_deferred_frees)
 
 # The private names overridden or read here, checked once against the installed vLLM (a renamed hook would silently
 # stop being called): an ImportError names the version. The admission cap's attribute differs between versions.
@@ -273,6 +274,18 @@ class _DynamicBatchMixin:
             # A preempted request loads its blocks back from host memory; a fresh one computes its prompt.
             config = config.under_kv_offloading()
             self.connector.get_num_new_matched_tokens = fresh_requests_load_nothing(
+                self.connector.get_num_new_matched_tokens)
+        # Under async scheduling with a connector that loads, vLLM defers a preempted request's block free until the
+        # step in flight ends; where its preemption loop does not stop at such a victim (vLLM 0.26), one request
+        # short of a block would preempt every request behind it. The adapter frees a victim's blocks at once
+        # instead, and holds back every KV load until the step that may still write them has ended
+        # (`_load_fence`): a load runs on its own stream, unordered against that step, and is the one writer that
+        # could land in those blocks before it; a step's own writes follow the step in flight on the same stream.
+        self._free_at_preemption = (getattr(self, "defer_block_free", False)
+                                    and not preemption_stops_at_deferred_frees())
+        self._load_fence = 0  # no KV load starts before the step of this sequence number has been processed
+        if self._free_at_preemption:
+            self.connector.get_num_new_matched_tokens = self._loads_after_fence(
                 self.connector.get_num_new_matched_tokens)
         state_dir = settings.get("state_dir")
         self.state_dir = Path(state_dir) if state_dir else None
@@ -645,7 +658,27 @@ class _DynamicBatchMixin:
         self._thrown[request.request_id] = request.num_computed_tokens
         self._preempted += 1
         self.batch_policy.observe_preempted(request.num_computed_tokens)
-        return super()._preempt_request(request, *args, **kwargs)
+        if not (self._free_at_preemption and request.last_sched_seq > self.processed_step_seq):
+            return super()._preempt_request(request, *args, **kwargs)
+        self._load_fence = max(self._load_fence, request.last_sched_seq)
+        self.defer_block_free = False  # vLLM's _free_request_blocks then returns the blocks to the pool at once
+        try:
+            return super()._preempt_request(request, *args, **kwargs)
+        finally:
+            self.defer_block_free = True
+
+    def _loads_after_fence(self, lookup):
+        """The KV connector's lookup, answering "not yet" (None: vLLM asks again next step, the request waiting)
+        for a request it would load while a step that may still write blocks freed at a preemption is in
+        flight."""
+
+        def lookup_after_fence(request, *args, **kwargs):
+            hit, load_async = lookup(request, *args, **kwargs)
+            if hit and self.processed_step_seq < self._load_fence:
+                return None, False
+            return hit, load_async
+
+        return lookup_after_fence
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args,
                                  **kwargs):

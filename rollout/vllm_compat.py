@@ -85,6 +85,24 @@ def held_queue_attribute(scheduler_cls: type | None = None) -> str | None:
     return _first_present(scheduler_cls, HELD_QUEUES)
 
 
+def preemption_stops_at_deferred_frees(scheduler_cls: type | None = None) -> bool:
+    """Whether vLLM's preemption loop (in `Scheduler.schedule`, or `scheduler_cls`'s) stops at a victim whose block
+    free it defers. Under async scheduling with a KV connector that loads (`defer_block_free`), a preempted
+    request's blocks return to the pool only once the step in flight, which may still write them, has ended.
+    vLLM 0.32 then stops preempting (`_request_blocks_can_be_freed`); 0.26 preempts on down the running list, none
+    of the victims freeing a block, until it reaches the request that needed one: every request behind it. Where
+    the source cannot be read, taken as stopping (vLLM's own behaviour left alone)."""
+    if scheduler_cls is None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        scheduler_cls = Scheduler
+    try:
+        source = inspect.getsource(scheduler_cls.schedule)
+    except (OSError, TypeError):
+        return True
+    return "_request_blocks_can_be_freed" in source
+
+
 def _first_present(cls: type, names: tuple[str, ...]) -> str | None:
     """The first of `names` that instances of `cls` have, or None."""
     return next((name for name in names if _has_attribute(cls, name)), None)

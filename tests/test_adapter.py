@@ -22,7 +22,7 @@ from rollout.sim.engine import StepTimeModel
 from rollout.sim.vllm_loop import Driver, build_scheduler, config_only_model
 from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, RolloutScheduler,
                                   adapter_settings, read_settings)
-from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks
+from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks, preemption_stops_at_deferred_frees
 
 BLOCK = 16  # tokens per KV block
 CAP = check_scheduler_hooks()  # the attribute vLLM admits by
@@ -138,6 +138,22 @@ def test_the_installed_vllm_has_every_hook_the_adapter_uses(build):
     assert getattr(scheduler, cap) == 8 and scheduler.kv_cache_manager.block_pool.num_gpu_blocks == 20
     assert isinstance(request("r", 4, 2)._output_token_ids, list)
     assert check_scheduler_hooks(DynamicBatchScheduler) == cap
+
+
+def test_the_installed_vllms_preemption_stops_at_a_deferred_free_and_the_adapter_leaves_it_so(build):
+    """vLLM 0.32's preemption loop stops at a victim whose block free it defers (under async scheduling with a
+    KV connector that loads); the adapter then frees nothing at once itself. A loop that preempts on (0.26's:
+    the guard's call absent from `schedule`) is told apart."""
+    assert preemption_stops_at_deferred_frees()
+
+    class PreemptsOn(Scheduler):
+        def schedule(self):  # 0.26's loop: allocate, else preempt the last running request, until it fits
+            return None
+
+    assert not preemption_stops_at_deferred_frees(PreemptsOn)
+    scheduler = build({"name": "static", "b_max": 8}, host_offload_bytes=1 << 24, cls=AsyncDynamicBatchScheduler,
+                      async_scheduling=True)
+    assert scheduler.defer_block_free and not scheduler._free_at_preemption
 
 
 def test_a_missing_hook_is_named_with_the_vllm_version():
@@ -528,6 +544,61 @@ def test_a_request_that_generated_nothing_computes_its_prompt_instead_of_loading
         assert loaded and first_step < len(prompt)
     else:
         assert not loaded and first_step == len(prompt)
+
+
+def test_where_vllm_defers_a_victims_block_free_its_blocks_free_at_once_and_loads_wait_for_the_step(build,
+                                                                                                    monkeypatch):
+    """Under async scheduling with a KV connector that loads, vLLM returns a preempted request's blocks to the
+    pool only once the step in flight, which may still write them, has ended; vLLM 0.26's preemption loop then
+    finds no block freed and preempts on down its running list (0.32 stops: the installed vLLM is taken as 0.26
+    here, through `preemption_stops_at_deferred_frees`). The adapter frees the victim's blocks at once instead and
+    starts no KV load until that step has been processed: a load runs unordered against it and could land in
+    them. Two requests run at a cap of 2; a third waits in host memory, preempted earlier; the second is
+    preempted as 0.26's loop does, while a step that ran it is in flight: the third's load waits for that step."""
+    import rollout.vllm_adapter as adapter
+
+    monkeypatch.setattr(adapter, "preemption_stops_at_deferred_frees", lambda: False)
+    # Hashes for the host memory's keys; no prefix cache, so a resumed request finds its blocks in host memory.
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    scheduler = build({"name": "static", "b_max": 8}, num_blocks=32, host_offload_bytes=1 << 24,
+                      cls=AsyncDynamicBatchScheduler, async_scheduling=True)
+    assert scheduler.defer_block_free and scheduler._free_at_preemption
+    cap = [3]
+    spy_on(scheduler, answer=lambda state: max(cap[0], state.num_running))
+    first, waiter, victim = requests = [request(name, 30, 80, block_hasher=hasher)
+                                        for name in ("first", "waiter", "victim")]
+    run = Run(scheduler, requests, overlap=True)
+
+    def preempt(request):  # as vLLM 0.26's loop does, a step that ran it in flight
+        assert request.last_sched_seq > scheduler.processed_step_seq
+        pool = scheduler.kv_cache_manager.block_pool
+        free, held = pool.get_num_free_blocks(), len(scheduler.kv_cache_manager.get_block_ids(request.request_id)[0])
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, 0.0)
+        assert pool.get_num_free_blocks() == free + held and not scheduler.deferred_frees  # freed at once
+
+    for _ in range(20):
+        run.step()
+    cap[0] = 2  # the waiter stays out
+    preempt(waiter)
+    for _ in range(20):
+        run.step()
+    assert victim.status == RequestStatus.RUNNING and waiter.status == RequestStatus.PREEMPTED
+    fence = victim.last_sched_seq
+    cap[0] = 3  # room for both
+    preempt(victim)
+    loads = []  # the last step processed when the waiter's load was scheduled
+    while scheduler.has_unfinished_requests() or run.in_flight:
+        processed = scheduler.processed_step_seq
+        output = run.step()
+        if any(job.req_id == "waiter" for job in output.kv_connector_metadata.load_jobs.values()):
+            loads.append(processed)
+    assert loads and loads[0] >= fence
+    assert all(len(r.output_token_ids) == 80 for r in requests)
 
 
 @pytest.mark.parametrize("policy, order", [("static", None), ("forecast", "least_computed"),
