@@ -16,7 +16,10 @@ it holds them, and vLLM starts such loads for as many waiting requests as the fr
 the adapter shows the policy those requests as running, and lets vLLM's admission loop reach only as many of the
 waiting requests as the cap leaves room for (`_meter`). Under vLLM's offloading connector (model.kv_offloading_gib)
 a request that has generated nothing loads nothing, computing its prompt (`fresh_requests_load_nothing`), and the
-policy runs under `PolicyConfig.under_kv_offloading`.
+policy runs under `PolicyConfig.under_kv_offloading`. Where vLLM defers a preempted request's block free (async
+scheduling with a connector that loads) and its preemption loop does not stop at such a victim (0.26), a victim's
+blocks free at once and no KV load starts until the step that may still write them has been processed
+(`_load_fence`).
 
 Invariants: every request of a pass has a row in `PassState.table` from add_request until the pass ends; every
 finish passes `_free_request` once and reaches the policy at the next schedule(), before it is asked; the policy is
