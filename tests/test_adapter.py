@@ -72,6 +72,15 @@ def request(name: str, prompt_tokens: int, max_tokens: int, block_hasher=None, *
                    sampling_params=params, pooling_params=None, block_hasher=block_hasher)
 
 
+def block_hasher():
+    """vLLM's block hasher for BLOCK-token blocks (what the prefix cache and host memory find blocks by)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(BLOCK, sha256)
+
+
 class Spy:
     """Stands in for the adapter's policy: passes every call to `inner`, records what `batch_cap` was asked with
     and answered. `answer(state)` replaces the inner policy's answer; `steady` (steps) replaces its
@@ -407,11 +416,7 @@ def test_a_resumed_request_computes_again_only_what_the_prefix_cache_lacks(build
     """As above with vLLM's prefix caching on: a preempted request's blocks stay in the cache until they are
     reused, and once resumed it is scheduled only the tokens its prefix hit lacks. The trace counts what it found
     there as recovered, out of what the preemptions threw away."""
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
+    hasher = block_hasher()
     scheduler = build({"name": "static", "b_max": 8}, num_blocks=8, prefix_caching=True)
     requests = [request(f"r{i}", 30, 40, block_hasher=hasher) for i in range(3)]
     run = Run(scheduler, requests)
@@ -438,11 +443,7 @@ def test_a_resumed_request_loads_its_blocks_from_host_memory_with_kv_offloading(
     block (under async scheduling at most one more), and the trace counts the rest as recovered. Three requests,
     admitted at once (the cap forced; the forecast orders preemptions by output), outgrow 7 usable blocks; the
     prefix cache is on (the offload finds blocks by their hashes) but keeps too little to matter."""
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
+    hasher = block_hasher()
     scheduler = build({"name": policy, "b_max": 8}, num_blocks=8, prefix_caching=True, host_offload_bytes=1 << 24,
                       cls=AsyncDynamicBatchScheduler if overlap else DynamicBatchScheduler)
     spy_on(scheduler, answer=lambda state: 8)  # all admitted at once, to outgrow the cache
@@ -475,11 +476,7 @@ def test_requests_loading_their_blocks_from_host_memory_count_against_the_cap(bu
     steps. After every step the running requests and those loading are within the cap: the policy is shown the
     loading ones as running, and vLLM reaches only as many waiting requests as the cap has room for. The trace
     counts them at each step (`kv_held`)."""
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
+    hasher = block_hasher()
     scheduler = build({"name": "forecast", "b_max": 16}, num_blocks=40, max_num_seqs=16, prefix_caching=True,
                       host_offload_bytes=1 << 24)
     spy_on(scheduler, answer=lambda state: 16 if state.step < 3 else state.num_running + 1)
@@ -517,11 +514,7 @@ def test_a_request_that_generated_nothing_computes_its_prompt_instead_of_loading
     sample of that prompt arriving then would load them (vLLM's own scheduler does: the sample waits outside the
     running set for the load); the adapter has it compute its prompt instead, admitted at once. One sample runs
     alone and finishes, another prompt's request takes the cache its blocks held, then a sibling arrives."""
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
+    hasher = block_hasher()
     scheduler = build({"name": "forecast", "b_max": 8}, num_blocks=9, prefix_caching=True,
                       host_offload_bytes=1 << 24, cls=cls)
 
@@ -553,17 +546,14 @@ def test_where_vllm_defers_a_victims_block_free_its_blocks_free_at_once_and_load
     finds no block freed and preempts on down its running list (0.32 stops: the installed vLLM is taken as 0.26
     here, through `preemption_stops_at_deferred_frees`). The adapter frees the victim's blocks at once instead and
     starts no KV load until that step has been processed: a load runs unordered against it and could land in
-    them. Two requests run at a cap of 2; a third waits in host memory, preempted earlier; the second is
-    preempted as 0.26's loop does, while a step that ran it is in flight: the third's load waits for that step."""
+    them. Three requests run; one is preempted and kept out at a cap of 2, waiting in host memory; then another is
+    preempted as 0.26's loop does, while a step that ran it is in flight, with room for both: the waiting one's
+    load waits for that step."""
     import rollout.vllm_adapter as adapter
 
     monkeypatch.setattr(adapter, "preemption_stops_at_deferred_frees", lambda: False)
     # Hashes for the host memory's keys; no prefix cache, so a resumed request finds its blocks in host memory.
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
+    hasher = block_hasher()
     scheduler = build({"name": "static", "b_max": 8}, num_blocks=32, host_offload_bytes=1 << 24,
                       cls=AsyncDynamicBatchScheduler, async_scheduling=True)
     assert scheduler.defer_block_free and scheduler._free_at_preemption
