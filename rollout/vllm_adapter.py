@@ -15,11 +15,12 @@ With a KV connector (KV offloading), a request whose blocks are being loaded wai
 it holds them, and vLLM starts such loads for as many waiting requests as the free blocks allow, whatever the cap:
 the adapter shows the policy those requests as running, and lets vLLM's admission loop reach only as many of the
 waiting requests as the cap leaves room for (`_meter`). Under vLLM's offloading connector (model.kv_offloading_gib)
-a request that has generated nothing loads nothing, computing its prompt (`fresh_requests_load_nothing`), and the
-policy runs under `PolicyConfig.under_kv_offloading`. Where vLLM defers a preempted request's block free (async
-scheduling with a connector that loads) and its preemption loop does not stop at such a victim (0.26), a victim's
-blocks free at once and no KV load starts until the step that may still write them has been processed
-(`_load_fence`).
+a request that has generated nothing loads nothing, computing its prompt (`fresh_requests_load_nothing`), the
+policy runs under `PolicyConfig.under_kv_offloading`, and a preempted request's blocks in host memory are marked as
+just used, so that host memory evicts those of finished requests first (`HostBlocks`). Where vLLM defers a
+preempted request's block free (async scheduling with a connector that loads) and its preemption loop does not
+stop at such a victim (0.26), a victim's blocks free at once and no KV load starts until the step that may still
+write them has been processed (`_load_fence`).
 
 Invariants: every request of a pass has a row in `PassState.table` from add_request until the pass ends; every
 finish passes `_free_request` once and reaches the policy at the next schedule(), before it is asked; the policy is
@@ -278,6 +279,9 @@ class _DynamicBatchMixin:
             config = config.under_kv_offloading()
             self.connector.get_num_new_matched_tokens = fresh_requests_load_nothing(
                 self.connector.get_num_new_matched_tokens)
+        # A preempted request's blocks in host memory are marked as just used (`HostBlocks`).
+        self._host_blocks = (host_block_keys(self.connector)
+                             if transfer is not None and transfer.kv_connector == OFFLOADING_CONNECTOR else None)
         # Under async scheduling with a connector that loads, vLLM defers a preempted request's block free until the
         # step in flight ends; where its preemption loop does not stop at such a victim (vLLM 0.26), one request
         # short of a block would preempt every request behind it. The adapter frees a victim's blocks at once
@@ -661,6 +665,8 @@ class _DynamicBatchMixin:
         self._thrown[request.request_id] = request.num_computed_tokens
         self._preempted += 1
         self.batch_policy.observe_preempted(request.num_computed_tokens)
+        if self._host_blocks is not None:
+            self._host_blocks.refresh(request.request_id)
         if not (self._free_at_preemption and request.last_sched_seq > self.processed_step_seq):
             return super()._preempt_request(request, *args, **kwargs)
         self._load_fence = max(self._load_fence, request.last_sched_seq)
@@ -790,6 +796,39 @@ def fresh_requests_load_nothing(lookup):
             request.skip_reading_prefix_cache = False
 
     return lookup_past_the_prompt
+
+
+class HostBlocks:
+    """What vLLM's offloading connector holds in host memory for each request (its scheduler side: the manager
+    and, per request, the keys of its blocks and how many of them it has stored), for marking a preempted
+    request's blocks as just used. Host memory evicts the least recently used blocks first; vLLM 0.32 marks a
+    request's blocks used when the request finishes, so the blocks of the many requests that finish after a
+    preemption come to stand before the victim's, and host memory evicts the blocks that a resume needs before
+    those that no request reads again (0.26 marks them at each store and lookup instead). Marked at its
+    preemption, a victim's blocks outlast every block written before it: host memory keeps them as long as less
+    than its size is written before the victim resumes, what the simulator's `HostOffload` assumes. The
+    connector's request states (`_req_status`) are private; where a vLLM lacks them, `host_block_keys` finds
+    none and nothing is marked."""
+
+    def __init__(self, connector_scheduler) -> None:
+        self.manager = connector_scheduler.manager
+        self.states = connector_scheduler._req_status
+
+    def refresh(self, request_id: str) -> None:
+        state = self.states.get(request_id)
+        for group in getattr(state, "group_states", ()):  # the manager marks the first block the most recent
+            stored = getattr(group, "offload_keys", [])[:getattr(group, "next_stored_chunk_idx", 0)]
+            self.manager.touch(stored, state.req_context)
+
+
+def host_block_keys(connector) -> HostBlocks | None:
+    """`HostBlocks` for vLLM's offloading connector (`connector`, the scheduler's KV connector), or None where
+    there is none or its scheduler side keeps no per-request block keys and stored counts."""
+    scheduler_side = getattr(connector, "connector_scheduler", None)
+    states = getattr(scheduler_side, "_req_status", None)
+    if not isinstance(states, dict) or not callable(getattr(getattr(scheduler_side, "manager", None), "touch", None)):
+        return None
+    return HostBlocks(scheduler_side)
 
 
 class DynamicBatchScheduler(_DynamicBatchMixin, Scheduler):

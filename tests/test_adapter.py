@@ -591,6 +591,46 @@ def test_where_vllm_defers_a_victims_block_free_its_blocks_free_at_once_and_load
     assert all(len(r.output_token_ids) == 80 for r in requests)
 
 
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_preempted_requests_blocks_in_host_memory_outlast_those_of_requests_that_finished(build, monkeypatch,
+                                                                                              marked):
+    """Host memory (vLLM's KV offloading) evicts the least recently used blocks first, and vLLM 0.32 marks a
+    request's blocks used when it finishes: without the adapter's mark at a preemption (`HostBlocks`), the blocks
+    of a request that finished after the victim wrote its own stand before the victim's, and the victim's are
+    evicted first. Host memory holds 12 blocks. Three requests run; one finishes with 3 blocks written; the victim,
+    with 3 written, is preempted at once and waits (a cap of 1) while the third writes 6 more: 3 blocks are
+    evicted. Marked, the victim resumes loading its blocks and computes only its last, partial one; unmarked (the
+    mark turned off), its first block is gone and it computes everything again."""
+    import rollout.vllm_adapter as adapter
+
+    if not marked:
+        monkeypatch.setattr(adapter.HostBlocks, "refresh", lambda self, request_id: None)
+    scheduler = build({"name": "static", "b_max": 8}, num_blocks=64, host_offload_bytes=12 * BLOCK * 8,
+                      kv_bytes_per_token=8)
+    assert scheduler._host_blocks is not None
+    cap = [3]
+    spy_on(scheduler, answer=lambda state: max(cap[0], state.num_running))
+    hasher = block_hasher()  # host memory finds blocks by their hashes; no prefix cache
+    victim, short, other = requests = [request("victim", 32, 100, block_hasher=hasher),
+                                       request("short", 32, 17, block_hasher=hasher),
+                                       request("other", 32, 114, block_hasher=hasher)]
+    run = Run(scheduler, requests)
+    while not short.is_finished():
+        run.step()
+    assert victim.num_computed_tokens == 48  # three full blocks, as the short one wrote
+    scheduler.running.remove(victim)
+    scheduler._preempt_request(victim, 0.0)
+    cap[0] = 1  # the victim waits while the other runs on
+    computed_again = None  # the tokens the victim is scheduled when it resumes, past what it loads
+    while scheduler.has_unfinished_requests():
+        output = run.step()
+        if computed_again is None and victim.request_id in output.num_scheduled_tokens:
+            assert other.is_finished()
+            computed_again = output.num_scheduled_tokens[victim.request_id]
+    assert all(len(r.output_token_ids) == r.max_tokens for r in requests)
+    assert computed_again <= BLOCK if marked else computed_again > 48, computed_again
+
+
 @pytest.mark.parametrize("policy, order", [("static", None), ("forecast", "least_computed"),
                                            ("forecast", "least_output"), ("forecast", "vllm")])
 def test_preemption_takes_the_request_that_computed_least_where_the_policy_orders_it(build, policy, order):
