@@ -96,11 +96,11 @@ class ModelConfig:
         "sets up, here storing generated tokens as well as prompts): each full KV block is also written to host "
         "memory, and a preempted request, when it resumes, loads what it had computed from there instead of "
         "computing it again; the forecast then keeps no margin (policy.forecast_margin_cap_offloading). null: off. "
-        "GPU only; experimental. On an H100 (vLLM 0.26, tail-bound's Qwen2.5-7B-shaped variant, its first pass, 64 "
-        "GiB beside an 8 GiB cache) it ran at 1.09-1.10x vLLM's default, recomputing 0.4% net; in vLLM's scheduler "
-        "in simulated time, both passes of tail-bound's variants at 1.05-1.08x, 0.2-1.1% net where host memory "
-        "holds what a pass preempts (128 GiB beside that cache, 256 GiB beside a Llama-3.1-8B shape's) and 8-27% "
-        "with 32 GiB (docs/results.md, tail-bound).")})
+        "GPU only; experimental. On H100s (vLLM 0.26, tail-bound's Qwen2.5-7B-shaped variant, 64 GiB beside an 8 "
+        "GiB cache) its first pass ran at 1.09-1.10x vLLM's default and its second at 1.08x, each recomputing 0.4% "
+        "net; in vLLM's scheduler in simulated time, both passes of that variant at 1.08x, 0.2-0.4% net with 64 GiB "
+        "and 1.2-4.0% with 32 GiB, and of the Llama-3.1-8B-shaped variants at 1.05x, 0.4-1.1% with 256 GiB "
+        "(docs/results.md, tail-bound).")})
     engine_kwargs: dict = field(default_factory=dict, metadata={"help": (
         "Extra keyword arguments for vllm.LLM (e.g. compilation_config on GPU); they win over the settings "
         "above.")})
