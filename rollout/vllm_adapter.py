@@ -274,14 +274,14 @@ class _DynamicBatchMixin:
             end_with_parent()
         config = PolicyConfig.from_dict(settings["policy"])
         transfer = self.vllm_config.kv_transfer_config
+        self._host_blocks = None
         if transfer is not None and transfer.kv_connector == OFFLOADING_CONNECTOR:
-            # A preempted request loads its blocks back from host memory; a fresh one computes its prompt.
+            # A preempted request loads its blocks back from host memory; a fresh one computes its prompt; a
+            # preempted request's blocks there are marked as just used (`HostBlocks`).
             config = config.under_kv_offloading()
             self.connector.get_num_new_matched_tokens = fresh_requests_load_nothing(
                 self.connector.get_num_new_matched_tokens)
-        # A preempted request's blocks in host memory are marked as just used (`HostBlocks`).
-        self._host_blocks = (host_block_keys(self.connector)
-                             if transfer is not None and transfer.kv_connector == OFFLOADING_CONNECTOR else None)
+            self._host_blocks = host_block_keys(self.connector)
         # Under async scheduling with a connector that loads, vLLM defers a preempted request's block free until the
         # step in flight ends; where its preemption loop does not stop at such a victim (vLLM 0.26), one request
         # short of a block would preempt every request behind it. The adapter frees a victim's blocks at once
