@@ -192,7 +192,8 @@ def test_vllm_log_level_yields_to_the_users_environment(monkeypatch):
 def test_kv_offloading_stores_generated_tokens_and_is_refused_on_the_cpu(tiny_model, tmp_path, monkeypatch):
     """model.kv_offloading_gib sets up vLLM's OffloadingConnector storing outputs as well as prompts (its default
     stores prompts only, and a preempted request would compute its output again); vLLM's CPU platform has no
-    offloading, so there the run stops before anything is written."""
+    offloading, so there the run stops before anything is written, as it does on a GPU machine asked to pin more
+    host memory than it has."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
@@ -208,6 +209,11 @@ def test_kv_offloading_stores_generated_tokens_and_is_refused_on_the_cpu(tiny_mo
     with pytest.raises(ConfigError, match="this engine runs on the CPU"):
         engine_kwargs(cfg, str(tiny_model), tmp_path / "t", None, tmp_path / "s")
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)  # what a GPU engine is given
+    more_than_any_host = load_config([f"model.path={tiny_model}", "data.source=my.jsonl",
+                                      "model.kv_offloading_gib=1000000"])
+    with pytest.raises(ConfigError, match=r"kv_offloading_gib=1000000.0: vLLM pins that many GiB of host memory .* "
+                                          r"this machine has [0-9.]+ GiB available"):
+        engine_kwargs(more_than_any_host, str(tiny_model), tmp_path / "t", None, tmp_path / "s")
     kwargs = engine_kwargs(cfg, str(tiny_model), tmp_path / "t", None, tmp_path / "s")
     transfer = EngineArgs(**kwargs).kv_transfer_config
     assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
