@@ -130,18 +130,19 @@ def check_platform(cfg: RunConfig, offloading_key: str = "model.kv_offloading_gi
     from vllm.platforms import current_platform
 
     gib = cfg.model.kv_offloading_gib
-    if gib is not None and current_platform.is_cpu():
+    if gib is None:
+        return
+    if current_platform.is_cpu():
         raise ConfigError(f"{offloading_key}={gib}: vLLM's KV offloading copies blocks "
                           "between a GPU and host memory, and this engine runs on the CPU: set it to null")
-    if gib is not None:
-        import psutil
+    import psutil
 
-        # vLLM pins all of it (page-locked, one buffer for every worker) when the engine starts; more than the
-        # host has free fails only then, minutes into loading, or has the kernel kill the engine.
-        available = psutil.virtual_memory().available
-        if gib * 2 ** 30 > available:
-            raise ConfigError(f"{offloading_key}={gib}: vLLM pins that many GiB of host memory for offloaded KV "
-                              f"blocks, and this machine has {available / 2 ** 30:.1f} GiB available: set it lower")
+    # vLLM pins all of it (page-locked, one buffer for every worker) when the engine starts; more than the host has
+    # free fails only then, minutes into loading, or has the kernel kill the engine.
+    available = psutil.virtual_memory().available
+    if gib * 2 ** 30 > available:
+        raise ConfigError(f"{offloading_key}={gib}: vLLM pins that many GiB of host memory for offloaded KV "
+                          f"blocks, and this machine has {available / 2 ** 30:.1f} GiB available: set it lower")
 
 
 NO_WORKER_DRAFTS = "rollout.vllm_adapter.NoWorkerDrafts"  # the worker's proposer where the scheduler drafts
