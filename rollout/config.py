@@ -69,8 +69,9 @@ class ModelConfig:
     max_model_len: int = field(default=2048, metadata={"help": (
         "The context of a request, prompt and output tokens together.")})
     kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={"help": (
-        "KV cache size in bytes; null: vLLM's default. vLLM on CPU must be told: its default takes most of the "
-        "RAM.")})
+        "KV cache size in bytes. null: on a GPU, vLLM's default (what gpu_memory_utilization leaves); on the CPU, "
+        "where vLLM's default takes most of the host's memory, what the prompt set's samples hold at once, at most "
+        "a quarter of the memory available beside the model (rollout/cpu_memory.py), said in one line.")})
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata={"help": (
         "KV cache size in blocks, over the size from memory; null: from memory.")})
     block_size: Optional[int] = field(default=None, metadata={"help": "Tokens per KV block; null: vLLM's default."})

@@ -13,8 +13,19 @@ from typing import Any, Callable
 REASONING_GYM_PREFIX = "reasoning_gym:"
 
 
+# Problems of a prompt set reported in one go; past this many, the count of the rest.
+MAX_PROBLEMS = 20
+
+
 class DataError(ValueError):
-    """The prompt set cannot be read or a row is unusable."""
+    """The prompt set cannot be read or rows are unusable: every problem found in one pass over it, each a line
+    that names the file and the line (or row) as a user counts them."""
+
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        shown, more = self.problems[:MAX_PROBLEMS], len(self.problems) - MAX_PROBLEMS
+        super().__init__("\n".join(shown + ([f"{more} more problems in the prompt set, not shown"] if more > 0
+                                             else [])))
 
 
 @dataclass
@@ -59,14 +70,14 @@ def _reasoning_gym_rows(name: str, size: int, seed: int, settings: dict | None =
 NEWLINE = b"\n"
 
 
-def _parse_json(raw: bytes, source: Path, line: int):
+def _parse_json(raw: bytes, line: int):
+    """(the value, None) or (None, (line, the problem)) for the JSON text `raw`, which starts on `line`."""
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8")), None
     except UnicodeDecodeError as exc:
-        bad_line = line + raw[:exc.start].count(NEWLINE)
-        raise DataError(f"{source} line {bad_line}: not valid UTF-8") from exc
+        return None, (line + raw[:exc.start].count(NEWLINE), "not valid UTF-8")
     except json.JSONDecodeError as exc:
-        raise DataError(f"{source} line {line + exc.lineno - 1}: invalid JSON ({exc.msg})") from exc
+        return None, (line + exc.lineno - 1, f"invalid JSON ({exc.msg})")
 
 
 def _array_item_lines(text: str) -> list[int]:
@@ -86,51 +97,64 @@ def _array_item_lines(text: str) -> list[int]:
         _, at = decoder.raw_decode(text, at)
 
 
-def _check_json_file(source: Path) -> list[int]:
-    """Name the first bad line of a JSON(L) file (datasets' own errors give neither line nor cause), and return
-    the line each row starts on: datasets reads a JSONL file's non-blank lines, a JSON file's array items."""
+def _json_rows(source: Path) -> tuple[list[dict], list[int], list[tuple[int, str]]]:
+    """A JSON(L) file's rows (a JSONL file's non-blank lines, a JSON file's array items), the line each starts on,
+    and the problems of the lines that are no row, as (line, what is wrong). Read here rather than by `datasets`,
+    whose Arrow columns hold one type: a file that gives some prompts as text and others as message lists, as chat
+    data does, is valid, and each bad line is named, where datasets names neither line nor cause."""
     data = source.read_bytes()
+    rows, lines, problems = [], [], []
+
+    def add(row, number: int) -> None:
+        if isinstance(row, dict):
+            rows.append(row)
+            lines.append(number)
+        else:
+            problems.append((number, f"expected a JSON object, got {type(row).__name__}"))
+
     if source.suffix.lower() == ".json":
-        rows = _parse_json(data, source, 1)
-        lines = _array_item_lines(data.decode("utf-8"))
-        for number, row in zip(lines, rows if isinstance(rows, list) else [rows]):
-            if not isinstance(row, dict):
-                raise DataError(f"{source} line {number}: expected a JSON object, got {type(row).__name__}")
-        return lines
-    lines = []
+        value, problem = _parse_json(data, 1)
+        if problem:
+            return [], [], [problem]
+        for number, row in zip(_array_item_lines(data.decode("utf-8")), value if isinstance(value, list)
+                               else [value]):
+            add(row, number)
+        return rows, lines, problems
     for number, raw in enumerate(data.split(NEWLINE), start=1):
         if raw.strip():
-            if not isinstance(row := _parse_json(raw, source, number), dict):
-                raise DataError(f"{source} line {number}: expected a JSON object, got {type(row).__name__}")
-            lines.append(number)
-    return lines
+            row, problem = _parse_json(raw, number)
+            if problem:
+                problems.append(problem)
+            else:
+                add(row, number)
+    return rows, lines, problems
 
 
-def _file_rows(path: str) -> tuple[list[dict], list[int] | None]:
-    """The rows of a prompt file or dataset folder, and for a JSON(L) file the line each row starts on."""
-    import datasets
-
+def _file_rows(path: str) -> tuple[list[dict], list[str], list[tuple[int, str]]]:
+    """The rows of a prompt file or dataset folder, where each is ("line N" of a JSON(L) file, else "row N"), and
+    the problems of a JSON(L) file's lines that hold no row, as (line, what is wrong)."""
     source = Path(path)
     if not source.exists():
         raise DataError(f"prompt set {path} does not exist")
+    suffix = source.suffix.lower()
+    if source.is_file() and suffix in (".jsonl", ".json"):
+        if source.stat().st_size == 0:
+            raise DataError(f"prompt set {path} is empty")
+        rows, lines, problems = _json_rows(source)
+        return rows, [f"line {n}" for n in lines], problems
+    import datasets
+
     datasets.disable_progress_bars()
-    lines = None
     try:
         if source.is_dir():
             loaded = datasets.load_from_disk(str(source))
             if isinstance(loaded, datasets.DatasetDict):
                 loaded = loaded[next(iter(loaded))]
+        elif suffix == ".parquet":
+            loaded = datasets.load_dataset("parquet", data_files=str(source), split="train")
         else:
-            suffix = source.suffix.lower()
-            builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
-            if builder is None:
-                raise DataError(f"prompt set {path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet "
-                                "or a saved dataset folder)")
-            if builder == "json":
-                lines = _check_json_file(source)
-            if source.stat().st_size == 0:
-                raise DataError(f"prompt set {path} is empty")
-            loaded = datasets.load_dataset(builder, data_files=str(source), split="train")
+            raise DataError(f"prompt set {path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet "
+                            "or a saved dataset folder)")
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - datasets and pyarrow raise many types; one message names the file
@@ -138,67 +162,128 @@ def _file_rows(path: str) -> tuple[list[dict], list[int] | None]:
         reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         raise DataError(f"prompt set {path} cannot be read: {reason}") from exc
     rows = loaded.to_list()
-    return rows, lines if lines is not None and len(lines) == len(rows) else None
+    return rows, [f"row {i + 1}" for i in range(len(rows))], []
+
+
+def _read_rows(source: str, num_prompts: int | None, seed: int, dataset_config: dict | None
+               ) -> tuple[list[dict], list[str], list[tuple[int, str]]]:
+    if source.startswith(REASONING_GYM_PREFIX):
+        rows = _reasoning_gym_rows(source[len(REASONING_GYM_PREFIX):], num_prompts or 64, seed, dataset_config)
+        return rows, [f"row {i + 1}" for i in range(len(rows))], []
+    rows, where, problems = _file_rows(source)
+    return rows[:num_prompts or None], where[:num_prompts or None], problems
+
+
+def _report(source: str, problems: list[tuple[int, str]], locations: dict[int, str] | None = None) -> DataError:
+    """One DataError for every problem, in the file's order, each naming the source and where it is."""
+    return DataError([f"{source} {(locations or {}).get(n, f'line {n}')}: {what}"
+                      for n, what in sorted(problems, key=lambda p: p[0])])
 
 
 def load_rows(source: str, num_prompts: int | None, seed: int,
               dataset_config: dict | None = None) -> tuple[list[dict], list[str]]:
     """The rows of a prompt set and where each is, as a user counts: "line N" of a JSON(L) file (1-based, blank
-    lines counted, as an editor shows it), else "row N" (1-based)."""
-    if source.startswith(REASONING_GYM_PREFIX):
-        rows = _reasoning_gym_rows(source[len(REASONING_GYM_PREFIX):], num_prompts or 64, seed, dataset_config)
-        lines = None
-    else:
-        rows, lines = _file_rows(source)
-        rows = rows[:num_prompts] if num_prompts else rows
-    where = [f"line {n}" for n in lines[:len(rows)]] if lines else [f"row {i + 1}" for i in range(len(rows))]
+    lines counted, as an editor shows it), else "row N" (1-based). A JSON(L) file's lines that hold no row raise
+    one DataError naming them all."""
+    rows, where, problems = _read_rows(source, num_prompts, seed, dataset_config)
+    if problems:
+        raise _report(source, problems)
     return rows, where
+
+
+# Where a row without the configured prompt field keeps its prompt: chat data names its message list `messages`
+# (OpenAI's files, most chat sets on the hub) or `conversations` (ShareGPT's {from, value} turns).
+CHAT_FIELDS = ("messages", "conversations")
+# ShareGPT's speaker names as chat templates know them.
+SPEAKERS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
+
+
+def _as_messages(raw) -> list[dict] | None:
+    """A list of chat turns as {role, content} messages ({from, value} turns renamed), or None if it is none."""
+    if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
+        return None
+    messages = []
+    for turn in raw:
+        role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
+        if not isinstance(role, str) or not isinstance(content, str):
+            return None
+        messages.append({"role": SPEAKERS.get(role, role), "content": content})
+    return messages
+
+
+def _prompt_field(row: dict, prompt_field: str) -> str | None:
+    if row.get(prompt_field) is not None:
+        return prompt_field
+    return next((name for name in CHAT_FIELDS if row.get(name) is not None), None)
 
 
 def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_field: str, id_field: str | None,
                     answer_field: str | None, system_prompt: str | None, apply_chat_template: bool,
-                    max_prompt_tokens: int, long_prompts: str = "fail",
-                    locations: list[str] | None = None) -> tuple[list[Prompt], list[dict]]:
-    """Render and tokenize every row; the first unusable one raises a DataError naming the source and the row's
-    location (`locations[i]`, as `load_rows` gives them; default "row i+1").
+                    max_prompt_tokens: int, long_prompts: str = "fail", locations: list[str] | None = None,
+                    file_problems: list[tuple[int, str]] = ()) -> tuple[list[Prompt], list[dict]]:
+    """Render and tokenize every row. Every unusable row, with `file_problems` (the lines that hold no row, as
+    (line, what is wrong)), raises one DataError naming each by the source and its location (`locations[i]`, as
+    `load_rows` gives them; default "row i+1").
 
-    Prompts longer than max_prompt_tokens fail the set (long_prompts="fail") or are left out and returned
-    as the second value (long_prompts="skip").
+    A row's prompt is its `prompt_field`, else its `messages` or `conversations` (chat data's names for a message
+    list); a message list that ends with the assistant's turn is the prompt before that turn, and the turn is the
+    row's reference answer where it has no `answer_field`. Prompts longer than max_prompt_tokens fail the set
+    (long_prompts="fail") or are left out and returned as the second value (long_prompts="skip").
     """
-    if not rows:
+    if not rows and not file_problems:
         raise DataError(f"prompt set {source} is empty")
     locations = locations or [f"row {i + 1}" for i in range(len(rows))]
     use_template = apply_chat_template and getattr(tokenizer, "chat_template", None)
     prompts, skipped, first_seen = [], [], {}
+    problems = list(file_problems)
+    where_of = {}
     for index, row in enumerate(rows):
-        where = f"{source} {locations[index]}"
-        if prompt_field not in row or row[prompt_field] is None:
-            raise DataError(f"{where}: missing prompt field {prompt_field!r} (set data.prompt_field)")
-        raw = row[prompt_field]
+        number = int(locations[index].split()[-1])
+        where_of[number] = locations[index]
+
+        def problem(what: str) -> None:
+            problems.append((number, what))
+
+        field_name = _prompt_field(row, prompt_field)
+        if field_name is None:
+            problem(f"missing prompt field {prompt_field!r} (nor {' or '.join(map(repr, CHAT_FIELDS))}; set "
+                    "data.prompt_field)")
+            continue
+        raw = row[field_name]
         prompt_id = str(row[id_field]) if id_field and row.get(id_field) is not None else str(index)
         if prompt_id in first_seen:
-            raise DataError(f"{where}: duplicate prompt id {prompt_id!r} (first at {first_seen[prompt_id]})")
+            problem(f"duplicate prompt id {prompt_id!r} (first at {first_seen[prompt_id]})")
+            continue
         first_seen[prompt_id] = locations[index]
-        token_ids = None
+        answer = row.get(answer_field) if answer_field else None
+        token_ids, messages = None, _as_messages(raw)
         if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
             # Already tokenized (an RL trainer's own prompts, or a model without a tokenizer): used as is.
             if min(raw) < 0:
-                raise DataError(f"{where}: negative token id in prompt field {prompt_field!r}")
+                problem(f"negative token id in prompt field {field_name!r}")
+                continue
             text, token_ids = "", raw
-        elif tokenizer is None:
-            raise DataError(f"{where}: a text prompt needs a tokenizer and the model folder has none "
-                            f"(give token ids: a list of ints in {prompt_field!r})")
         elif isinstance(raw, str):
             if not raw.strip():
-                raise DataError(f"{where}: empty prompt")
+                problem("empty prompt")
+                continue
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
                 [{"role": "user", "content": raw}]
-        elif isinstance(raw, list) and raw and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                    for m in raw):
-            messages = raw
+        elif messages is not None:
+            if messages[-1]["role"] == "assistant":  # the reference turn of chat data: the model writes its own
+                answer = messages[-1]["content"] if answer is None else answer
+                messages = messages[:-1]
+            if not any(m["role"] == "user" for m in messages):
+                problem(f"the messages in {field_name!r} have no user turn to answer")
+                continue
         else:
-            raise DataError(f"{where}: prompt field {prompt_field!r} must be a string, a list of "
-                            "{role, content} messages or a list of token ids")
+            problem(f"prompt field {field_name!r} must be a string, a list of {{role, content}} messages (or "
+                    "{from, value} turns) or a list of token ids")
+            continue
+        if token_ids is None and tokenizer is None:
+            problem(f"a text prompt needs a tokenizer and the model folder has none (give token ids: a list of "
+                    f"ints in {field_name!r})")
+            continue
         if token_ids is None:
             if use_template:
                 text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -210,12 +295,13 @@ def prepare_prompts(rows: list[dict], tokenizer: Any, *, source: str, prompt_fie
             if long_prompts == "skip":
                 skipped.append({"prompt_id": prompt_id, "location": locations[index], "prompt_tokens": len(token_ids)})
                 continue
-            raise DataError(f"{where}: prompt {prompt_id!r} has {len(token_ids)} tokens, more than the "
-                            f"{max_prompt_tokens} the model's context leaves (model.max_model_len; "
-                            "data.long_prompts=skip leaves such prompts out)")
-        answer = row.get(answer_field) if answer_field else None
+            problem(f"prompt {prompt_id!r} has {len(token_ids)} tokens, more than the {max_prompt_tokens} the "
+                    "model's context leaves (model.max_model_len; data.long_prompts=skip leaves such prompts out)")
+            continue
         prompts.append(Prompt(prompt_id=prompt_id, text=text, token_ids=list(token_ids),
                               answer=None if answer is None else str(answer), score=row.get("score")))
+    if problems:
+        raise _report(source, problems, where_of)
     if not prompts:
         raise DataError(f"prompt set {source}: every prompt is longer than {max_prompt_tokens} tokens")
     return prompts, skipped
@@ -239,10 +325,11 @@ def load_tokenizer(model_folder: str):
 
 
 def load_prompts(data, tokenizer: Any, max_prompt_tokens: int) -> tuple[list[Prompt], list[dict]]:
-    """The prompt set a `DataConfig` describes, rendered and tokenized, and the prompts skipped as too long."""
-    rows, locations = load_rows(data.source, data.num_prompts, data.seed, data.dataset_config)
+    """The prompt set a `DataConfig` describes, rendered and tokenized, and the prompts skipped as too long. Every
+    problem of the set, unreadable lines and unusable rows alike, raises one DataError that names them all."""
+    rows, locations, file_problems = _read_rows(data.source, data.num_prompts, data.seed, data.dataset_config)
     return prepare_prompts(
         rows, tokenizer, source=data.source, prompt_field=data.prompt_field, id_field=data.id_field,
         answer_field=data.answer_field, system_prompt=data.system_prompt,
         apply_chat_template=data.apply_chat_template, max_prompt_tokens=max_prompt_tokens,
-        long_prompts=data.long_prompts, locations=locations)
+        long_prompts=data.long_prompts, locations=locations, file_problems=file_problems)

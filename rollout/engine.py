@@ -24,6 +24,7 @@ import numpy as np
 
 from rollout.batch import RolloutBatch
 from rollout.config import ConfigError, RunConfig
+from rollout.cpu_memory import KVCacheSize, default_kv_cache, demand_tokens
 from rollout.data import Prompt, has_tokenizer
 from rollout.models import resolve_model
 from rollout.policy.length_stats import PromptLengths, prompt_key
@@ -145,6 +146,24 @@ def check_platform(cfg: RunConfig, offloading_key: str = "model.kv_offloading_gi
                           f"blocks, and this machine has {available / 2 ** 30:.1f} GiB available: set it lower")
 
 
+def unsized(cfg: RunConfig) -> bool:
+    """Whether the user left the KV cache's size to the engine (no size in bytes or blocks, in any setting)."""
+    given = ("kv_cache_memory_bytes", "num_gpu_blocks_override")
+    return all(getattr(cfg.model, key) is None and key not in cfg.model.engine_kwargs for key in given)
+
+
+def cpu_kv_cache(cfg: RunConfig, model_path: str, prompts: list[Prompt] | None = None) -> KVCacheSize:
+    """The KV cache of a CPU engine the user gave no size (rollout.cpu_memory), for this machine's available
+    memory and, where given, the prompts' samples at their longest."""
+    import psutil
+
+    m, s = cfg.model, cfg.sampling
+    demand = None if prompts is None else demand_tokens([len(p.token_ids) for p in prompts], s.n, s.max_tokens,
+                                                        m.max_model_len)
+    return default_kv_cache(model_path, engine_dtype(m.dtype), m.max_model_len, demand,
+                            psutil.virtual_memory().available)
+
+
 NO_WORKER_DRAFTS = "rollout.vllm_adapter.NoWorkerDrafts"  # the worker's proposer where the scheduler drafts
 
 
@@ -184,6 +203,10 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)
+    if current_platform.is_cpu() and unsized(cfg):
+        size = cpu_kv_cache(cfg, model_path)
+        logging.getLogger("rollout").warning(size.reason)
+        kwargs["kv_cache_memory_bytes"] = size.bytes
     if m.kv_offloading_gib is not None:
         check_platform(cfg)
         from vllm.config import KVTransferConfig

@@ -49,13 +49,39 @@ def output_settings(cfg: RunConfig) -> dict:
             "data": asdict(cfg.data), "sampling": asdict(cfg.sampling)}
 
 
+def scoped(summary: dict) -> dict:
+    """The summary's numbers by what they cover, for summary.json: `all_samples` every sample of the set, resumed
+    ones included; `this_run` what this command generated (its tokens, time and throughput)."""
+    return {"all_samples": {"samples": summary["num_samples"], "resumed": summary["samples_resumed"],
+                            "completion_tokens": summary["completion_tokens_total"]},
+            "this_run": {"samples": summary["samples_generated"], "prompt_tokens": summary["prompt_tokens"],
+                         "generated_tokens": summary["generated_tokens"], "wall_time_s": summary["wall_time_s"],
+                         "generated_tokens_per_s": summary["generated_tokens_per_s"],
+                         "preemptions": summary["preemptions"]}}
+
+
+def closing_lines(summary: dict, out_dir: Path, latest: str = "this run") -> list[str]:
+    """What a run ends with: the set's samples (resumed ones included), then what the latest run generated and how
+    fast (`latest`: how to name it)."""
+    blocks = scoped(summary)
+    every, run = blocks["all_samples"], blocks["this_run"]
+    resumed = f" ({every['resumed']} of them from an earlier run)" if every["resumed"] else ""
+    reward = f", reward {summary['reward_mean']:.3f}" if "reward_mean" in summary else ""
+    return [f"all samples: {every['samples']} in {out_dir}{resumed}, {every['completion_tokens']} completion tokens"
+            f"{reward}",
+            f"{latest}: {run['samples']} samples, {run['generated_tokens']} tokens in {run['wall_time_s']:.1f} s: "
+            f"{run['generated_tokens_per_s'] or 0:.1f} tok/s, {run['preemptions']} preemptions, policy "
+            f"{summary['policy']}"]
+
+
 def interrupted(store: SampleStore, order: list) -> str:
     return (f"\ninterrupted: {len(store.done)} of {len(order)} samples are safe in {store.samples_path}; "
             "run the same command again to resume")
 
 
 def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    """Each line of `message` (a prompt set's problems are one a line) as an error line; the bad-input status."""
+    print("".join(f"error: {line}\n" for line in message.split("\n")), end="", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 
@@ -100,6 +126,19 @@ def exit_on_interrupt(message: str, grace_s: float = 2.0):
         raise KeyboardInterrupt
 
 
+def size_kv_cache(cfg: RunConfig, prompts: list) -> None:
+    """On the CPU, a KV cache the user gave no size gets one sized from the prompt set and the machine
+    (rollout.cpu_memory), said in one line; vLLM's own default would take most of the host's memory."""
+    from vllm.platforms import current_platform
+
+    from rollout.engine import cpu_kv_cache, unsized
+
+    if current_platform.is_cpu() and unsized(cfg):
+        size = cpu_kv_cache(cfg, resolve_model(cfg.model.path), prompts)
+        cfg.model.kv_cache_memory_bytes = size.bytes
+        print(size.reason, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.update(OFFLINE)  # no network at run time: models and data must be local
     args = parse_args(argv)
@@ -109,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         check_platform(cfg)
         tokenizer = load_tokenizer(resolve_model(cfg.model.path))
         prompts, skipped = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
+        size_kv_cache(cfg, prompts)
         out_dir = Path(cfg.output.dir)
         store = SampleStore(out_dir, fingerprint(output_settings(cfg), prompts), overwrite=cfg.output.overwrite,
                             force=cfg.output.force)
+        if (complete := store.completed()) is not None:
+            print(f"nothing to do: {out_dir} holds this run, complete (output.overwrite=true generates it again)")
+            print("\n".join(closing_lines(complete, out_dir, latest="last run")))
+            return 0
         done = store.open()
     except (ConfigError, DataError, ModelError, StoreError, OSError) as exc:
         return fail(str(exc))
@@ -155,15 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     summary["outputs"] = store.finalize(order, list(cfg.output.formats))
     plot = plot_trace(trace, out_dir / "trace.png", f"{cfg.policy.name}: cap, running, KV use") if trace else None
     summary["plot"] = str(plot) if plot else None
+    summary.update(scoped(summary))
     store.write_summary(summary)
-    line = (f"{summary['num_samples']} samples ({summary['samples_generated']} generated now), "
-            f"{summary['generated_tokens']} tokens in {summary['wall_time_s']:.1f} s: "
-            f"{summary['generated_tokens_per_s'] or 0:.1f} tok/s, {summary['preemptions']} preemptions, "
-            f"policy {summary['policy']}")
-    if "reward_mean" in summary:
-        line += f", reward {summary['reward_mean']:.3f}"
-    print(line)
-    print(f"outputs in {out_dir}")
+    print("\n".join(closing_lines(summary, out_dir)))
     return 0
 
 

@@ -94,11 +94,12 @@ def _portable_tokenizer_config(folder: Path) -> None:
 
 
 def build_tiny_llama(out: str | os.PathLike, vocab_size: int = 1024, max_position_embeddings: int = 4096,
-                     seed: int = 0) -> Path:
+                     seed: int = 0, extra_tokens: tuple[str, ...] = ()) -> Path:
     """A randomly initialised 2-layer Llama (hidden 128, head_dim 64) with a byte-level BPE tokenizer trained here.
 
     The lm_head is zero, so sampling is uniform over the vocabulary; eight extra stop ids make output lengths
-    roughly geometric (mean ~128), like EOS-driven lengths of a real model.
+    roughly geometric (mean ~128), like EOS-driven lengths of a real model. `extra_tokens`: texts added to the
+    vocabulary as tokens of their own, which samples then contain about as often as any other token.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -116,6 +117,7 @@ def build_tiny_llama(out: str | os.PathLike, vocab_size: int = 1024, max_positio
     tok.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
+    tok.add_tokens(list(extra_tokens))
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                             unk_token="<|endoftext|>", pad_token="<|pad|>",
                             chat_template=CHATML_TEMPLATE).save_pretrained(out)

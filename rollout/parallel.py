@@ -397,7 +397,8 @@ class ParallelEngines:
             "engine_start_s": round(self.engine_start_s, 2), "wall_time_s": round(wall, 3),
             "num_prompts": len(prompts), "samples_per_prompt": n, "num_samples": len(records),
             "samples_generated": len(new), "samples_resumed": len(records) - len(new),
-            "samples_rerun": rerun, "generated_tokens": generated,
+            "samples_rerun": rerun, "prompt_tokens": sum(r["prompt_tokens"] for r in new),
+            "generated_tokens": generated, "completion_tokens_total": sum(r["completion_tokens"] for r in records),
             "generated_tokens_per_s": round(generated / wall, 2) if wall > 0 else None,
             # Each engine's time until its last step, and the slowest against their mean (1: balanced).
             "busy_s_per_engine": busy,

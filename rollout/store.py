@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -47,6 +48,21 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+# Characters that JSON leaves raw (with ensure_ascii=False) and that some line splitters break lines at:
+# str.splitlines (U+0085, U+2028, U+2029), JavaScript (U+2028, U+2029). Escaped on writing, so that the file has
+# one record per "\n" for every reader; a record's text keeps every other character as it is.
+_LINE_BREAKING = re.compile("[\u0085\u2028\u2029]")
+
+
+def json_line(record: dict) -> str:
+    """One JSON-lines record, "\n"-terminated, with no character inside that any reader takes for a line end."""
+    return _LINE_BREAKING.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(record, ensure_ascii=False)) + "\n"
+
+
+def _listed(changes: list[str]) -> str:
+    return "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -78,6 +94,22 @@ class SampleStore:
         self._dirty = threading.Event()
         self._syncer: threading.Thread | None = None
 
+    def _changes(self) -> list[str]:
+        """How the folder's run differs from the one asked for (empty: the same settings and prompts)."""
+        manifest = json.loads((self.dir / MANIFEST_FILE).read_text())
+        return _differences(manifest.get("fingerprint", {}), self.expected)
+
+    def completed(self) -> dict | None:
+        """The summary of the run in the folder where it is complete and is the run asked for: there is nothing
+        to generate. None where there is work to do (no run, a partial one, or output.overwrite)."""
+        if self.overwrite or not (self.dir / SUMMARY_FILE).exists() or not (self.dir / MANIFEST_FILE).exists():
+            return None
+        changed = self._changes()
+        if changed:
+            raise StoreError(f"{self.dir} holds a complete run with other settings or prompts ({_listed(changed)}); "
+                             "pass output.overwrite=true to replace it")
+        return json.loads((self.dir / SUMMARY_FILE).read_text())
+
     def open(self) -> dict[tuple[str, int], dict]:
         """Prepare the folder; returns the samples already durable, keyed by (prompt id, sample index)."""
         manifest_path = self.dir / MANIFEST_FILE
@@ -86,14 +118,13 @@ class SampleStore:
                 (self.dir / name).unlink(missing_ok=True)
         present = [name for name in (SAMPLES_FILE, PARQUET_FILE, SUMMARY_FILE) if (self.dir / name).exists()]
         if manifest_path.exists():
-            manifest = json.loads(manifest_path.read_text())
-            if (self.dir / SUMMARY_FILE).exists():
-                raise StoreError(f"{self.dir} holds a complete run; pass output.overwrite=true to replace it")
-            changed = _differences(manifest.get("fingerprint", {}), self.expected)
+            changed = self._changes()
+            if (self.dir / SUMMARY_FILE).exists():  # complete: completed() tells the caller there is nothing to do
+                other = f" with other settings or prompts ({_listed(changed)})" if changed else ""
+                raise StoreError(f"{self.dir} holds a complete run{other}; pass output.overwrite=true to replace it")
             if changed and not self.force:
-                raise StoreError(f"{self.dir} holds a run with other settings or prompts ({'; '.join(changed[:3])}"
-                                 f"{'; ...' if len(changed) > 3 else ''}); pass output.force=true to resume it "
-                                 "anyway or output.overwrite=true to start over")
+                raise StoreError(f"{self.dir} holds a run with other settings or prompts ({_listed(changed)}); pass "
+                                 "output.force=true to resume it anyway or output.overwrite=true to start over")
             self.done = self._read_durable()
         elif present:
             raise StoreError(f"{self.dir} already holds {', '.join(present)}; pass output.overwrite=true to "
@@ -129,11 +160,13 @@ class SampleStore:
                 f.truncate(end)
                 os.fsync(f.fileno())
         done = {}
-        for number, line in enumerate(data[:end].decode("utf-8").splitlines(), start=1):
+        # Lines end at "\n" alone: a record another writer made may hold a raw U+2028 or the like, which
+        # str.splitlines would take for a line end.
+        for number, line in enumerate(data[:end].split(b"\n")[:-1], start=1):
             try:
                 record = json.loads(line)
                 key = (record["prompt_id"], record["sample_index"])
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError) as exc:  # ValueError: bad JSON or UTF-8
                 raise StoreError(f"{self.samples_path} line {number} is not a sample record ({exc}); "
                                  "pass output.overwrite=true to start over") from exc
             done[key] = record  # a sample written twice (a crash between write and acknowledgement) counts once
@@ -144,7 +177,7 @@ class SampleStore:
         fsynced by a background thread (safe from a machine crash moments later; always before finalize)."""
         if not records:
             return
-        self._log.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        self._log.write("".join(json_line(r) for r in records))
         self._log.flush()
         self._dirty.set()
         for r in records:
@@ -159,7 +192,7 @@ class SampleStore:
         self.close()
         paths = {}
         atomic_write(self.samples_path, lambda p: p.write_text(
-            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"))
+            "".join(json_line(r) for r in records), encoding="utf-8"))
         if "jsonl" in formats:
             paths["jsonl"] = str(self.samples_path)
         if "parquet" in formats:

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 
@@ -168,3 +170,73 @@ def test_problems_in_tables_are_reported_by_row(tmp_path):
         str(path))
     _, skipped = prompts_of(path, long_prompts="skip")
     assert skipped == [{"prompt_id": "b", "location": "row 2", "prompt_tokens": 5}]
+
+
+def test_text_and_message_prompts_mix_in_one_file_with_blank_lines(tmp_path, tiny_model):
+    """A column that holds text in some rows and message lists in others is valid chat data (Arrow, which
+    `datasets` reads JSON into, holds one type a column)."""
+    from transformers import AutoTokenizer
+
+    from rollout.config import DataConfig
+    from rollout.data import load_prompts
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"id": "t", "prompt": "what is 1 plus 1?"}\n\n'
+                    '{"id": "m", "prompt": [{"role": "user", "content": "hi"}]}\n')
+    prompts, _ = load_prompts(DataConfig(source=str(path)), AutoTokenizer.from_pretrained(tiny_model), 1000)
+    assert [p.prompt_id for p in prompts] == ["t", "m"]
+    assert prompts[1].text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_rows_need_no_prompt_field(tmp_path, tiny_model):
+    """`messages` (OpenAI-style files) and `conversations` ({from, value} turns) rows, mixed with the configured
+    field's in one file: the assistant's closing turn is the reference answer, not part of the prompt."""
+    from transformers import AutoTokenizer
+
+    from rollout.config import DataConfig
+    from rollout.data import load_prompts
+
+    path = tmp_path / "chat.jsonl"
+    rows = [{"id": "q", "question": "what is 2 plus 2?", "answer": "4"},
+            {"id": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": "hello"}]},
+            {"id": "c", "conversations": [{"from": "human", "value": "hey"}, {"from": "gpt", "value": "yo"}],
+             "answer": "kept"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts, _ = load_prompts(DataConfig(source=str(path), prompt_field="question"),
+                              AutoTokenizer.from_pretrained(tiny_model), 1000)
+    assert [p.prompt_id for p in prompts] == ["q", "m", "c"]
+    assert prompts[1].text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                               "<|im_start|>assistant\n")
+    assert prompts[2].text == "<|im_start|>user\nhey<|im_end|>\n<|im_start|>assistant\n"
+    assert [p.answer for p in prompts] == ["4", "hello", "kept"]
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
+    """One pass names each bad line, in the file's order: unreadable lines and unusable rows together."""
+    path = tmp_path / "messy.jsonl"
+    path.write_text('{"id": "a", "prompt": [1]}\n{"prompt": \n\n[3]\n{"id": "a", "prompt": [2]}\n'
+                    '{"id": "b", "text": "x"}\n{"id": "c", "messages": [{"role": "assistant", "content": "x"}]}\n'
+                    '{"id": "d", "prompt": [1, 2, 3, 4, 5]}\n{"id": "e", "prompt": [4]}\n')
+    with pytest.raises(DataError) as info:
+        prompts_of(path)
+    assert str(info.value).split("\n") == [
+        f"{path} line 2: invalid JSON (Expecting value)",
+        f"{path} line 4: expected a JSON object, got list",
+        f"{path} line 5: duplicate prompt id 'a' (first at line 1)",
+        f"{path} line 6: missing prompt field 'prompt' (nor 'messages' or 'conversations'; set data.prompt_field)",
+        f"{path} line 7: the messages in 'messages' have no user turn to answer",
+        f"{path} line 8: prompt 'd' has 5 tokens, more than the 4 the model's context leaves (model.max_model_len; "
+        "data.long_prompts=skip leaves such prompts out)"]
+
+
+def test_problems_past_the_limit_are_counted():
+    from rollout.data import MAX_PROBLEMS
+
+    rows = [{"id": "x", "prompt": [1]}] * (MAX_PROBLEMS + 6)
+    with pytest.raises(DataError) as info:
+        prepare_prompts(rows, None, source="dupes.jsonl", prompt_field="prompt", id_field="id", answer_field=None,
+                        system_prompt=None, apply_chat_template=True, max_prompt_tokens=8)
+    lines = str(info.value).split("\n")
+    assert len(lines) == MAX_PROBLEMS + 1 and lines[0].startswith("dupes.jsonl row 2: duplicate prompt id 'x'")
+    assert lines[-1] == "5 more problems in the prompt set, not shown"

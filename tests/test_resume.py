@@ -1,6 +1,7 @@
 """A real run on the tiny model, killed (SIGKILL of the driver alone, as the OOM killer sends it) at random points
 and interrupted (SIGINT), then restarted with the same command: every (prompt id, sample index) ends up exactly once, nothing
-durable is generated again, and the summary covers the whole set."""
+durable is generated again, and the summary covers the whole set. The prompts and the samples hold every character
+some line splitter takes for a line end: a run resumes whatever its text holds."""
 
 import json
 import os
@@ -19,11 +20,26 @@ pytestmark = pytest.mark.engine
 NUM_PROMPTS, N = 32, 8
 
 
+# What str.splitlines breaks lines at besides "\n" and "\r" (JSON escapes "\r", and the control characters among
+# these, itself).
+LINE_BREAKING = "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The tiny model with tokens of its own that hold those characters (a fifth of its vocabulary, so that every
+    sample holds each of them a few times)."""
+    from rollout.models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-line-breaks",
+                            extra_tokens=tuple(f"{c}{i}" for c in LINE_BREAKING for i in range(32)))
+
+
 @pytest.fixture
 def prompt_set(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}: what is {i} plus {i % 7}?"}) + "\n"
-                            for i in range(NUM_PROMPTS)))
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}:{LINE_BREAKING}what is {i} plus "
+                                        f"{i % 7}?"}) + "\n" for i in range(NUM_PROMPTS)))
     return path
 
 
@@ -150,6 +166,8 @@ def test_killed_runs_resume_exactly_once(tiny_model, prompt_set, tmp_path):
         assert seen < len(records) < total
         seen = len(records)
     assert not (out / "summary.json").exists()
+    for text in ("prompt", "completion"):  # what the resumed run reads back holds each of them
+        assert set(LINE_BREAKING) <= set("".join(r[text] for r in records)), text
 
     # A changed setting is refused, with the difference named, and nothing already written is touched.
     before = (out / "samples.jsonl").read_bytes()
@@ -171,10 +189,26 @@ def test_killed_runs_resume_exactly_once(tiny_model, prompt_set, tmp_path):
     assert summary["samples_resumed"] == seen
     assert summary["samples_generated"] == total - seen
     assert summary["completion_tokens_total"] == sum(r["completion_tokens"] for r in final)
+    # What covers the whole set and what this run alone, named as such in the summary and the closing lines.
+    resumed_keys = set(keys(records))
+    generated_now = sum(r["completion_tokens"] for r in final if (r["prompt_id"], r["sample_index"]) not in resumed_keys)
+    assert summary["all_samples"] == {"samples": total, "resumed": seen,
+                                      "completion_tokens": sum(r["completion_tokens"] for r in final)}
+    assert summary["this_run"]["samples"] == total - seen
+    assert summary["this_run"]["generated_tokens"] == summary["generated_tokens"] == generated_now
+    closing = finished.stdout.strip().splitlines()[-2:]
+    assert closing[0].startswith(f"all samples: {total} in {out} ({seen} of them from an earlier run), "
+                                 f"{summary['all_samples']['completion_tokens']} completion tokens"), closing
+    assert closing[1].startswith(f"this run: {total - seen} samples, {generated_now} tokens in "), closing
 
+    # The same command once the run is complete: nothing to do, the summary again, success; nothing touched.
+    files = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2
-    assert "holds a complete run" in again.stderr
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = again.stdout.strip().splitlines()
+    assert lines[0].startswith(f"nothing to do: {out} holds this run, complete"), again.stdout
+    assert lines[1:] == [closing[0], closing[1].replace("this run:", "last run:")]
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == files
 
 
 def test_interrupt_stops_cleanly_and_resumes(tiny_model, prompt_set, tmp_path):

@@ -69,3 +69,14 @@ def test_one_registry_holds_every_policy_class_by_its_name():
     assert classes == set(POLICIES.values())
     assert all(POLICIES[cls.name] is cls for cls in classes)
     assert {"static", "memory", "memory-clt", "sla", "forecast", "oracle"} <= set(POLICIES)
+
+
+def test_the_package_is_licensed_under_apache_2():
+    """The license the installed package declares, and its text at the repository's root, shipped with it."""
+    from importlib.metadata import distribution
+
+    meta = distribution("rollout").metadata
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert "LICENSE" in meta.get_all("License-File")
+    text = (ROOT.parent / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]

@@ -302,7 +302,7 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
                                   cap_attr=CAP_ATTR if ours else None, observe=observe).run())
     finally:
         scheduler.shutdown()
-    records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.is_file() else []
+    records = [json.loads(line) for line in trace.read_bytes().split(b"\n") if line] if trace.is_file() else []
     records = [r for r in records if "step" in r]
     split, first = [], 0
     for result in results:  # the adapter numbers its steps from the engine's start
