@@ -177,7 +177,8 @@ class OutputConfig:
         "cost. Off, the trace keeps each step's latency and the policy's wall time.")})
     vllm_log_level: str = field(default="WARNING", metadata={"help": (
         "The level of vLLM's own log lines, CRITICAL to DEBUG. WARNING keeps the console to the progress bar and "
-        "what goes wrong; INFO brings back the engine's start-up and every-10-seconds lines. VLLM_LOGGING_LEVEL, "
+        "what goes wrong (the start-up notices of vLLM, torch and Triton that ask nothing of the user are left out "
+        "too: rollout/vllm_logs.py); INFO brings back every line, the engine's start-up and every-10-seconds ones. VLLM_LOGGING_LEVEL, "
         "where set, wins. The metrics the summary reads are on at every level.")})
 
 

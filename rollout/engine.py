@@ -8,6 +8,7 @@ the scheduler's files (trace, statistics, memory) back, and submits longest pred
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ import numpy as np
 
 from rollout.batch import RolloutBatch
 from rollout.config import ConfigError, RunConfig
+from rollout import vllm_logs
 from rollout.cpu_memory import KVCacheSize, default_kv_cache, demand_tokens
 from rollout.data import Prompt, has_tokenizer
 from rollout.models import resolve_model
@@ -36,6 +38,8 @@ STATS_FILE = "length_stats.json"
 PROMPT_LENGTHS_FILE = "prompt_lengths.json"
 SERIES_POINTS = 200
 VLLM_LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
+QUIET_LEVELS = ("WARNING", "ERROR", "CRITICAL")  # levels at which vLLM's start-up notices stay out (vllm_logs)
+ENGINE_SHUTDOWN_S = 60.0  # the engine core's wait to end by itself before vLLM kills it
 _written_log_level: str | None = None  # the value this module put in VLLM_LOGGING_LEVEL, told from the user's
 
 
@@ -99,6 +103,10 @@ def set_vllm_log_level(level: str) -> str:
     if current is None or current == _written_log_level:
         os.environ[VLLM_LOG_LEVEL_ENV] = _written_log_level = level.upper()
     in_force = os.environ[VLLM_LOG_LEVEL_ENV].upper()
+    if in_force in QUIET_LEVELS:
+        vllm_logs.quiet()
+    else:
+        os.environ.pop(vllm_logs.QUIET_ENV, None)
     if in_force in logging.getLevelNamesMapping():  # a bad value of the user's is vLLM's to report
         logger = logging.getLogger("vllm")
         logger.setLevel(in_force)
@@ -207,6 +215,8 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
         size = cpu_kv_cache(cfg, model_path)
         logging.getLogger("rollout").warning(size.reason)
         kwargs["kv_cache_memory_bytes"] = size.bytes
+    if os.environ.get(vllm_logs.QUIET_ENV) == "1":
+        kwargs["use_tqdm_on_load"] = False  # the checkpoint's loading bars
     if m.kv_offloading_gib is not None:
         check_platform(cfg)
         from vllm.config import KVTransferConfig
@@ -548,7 +558,13 @@ class RolloutEngine:
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            # The engine core's own teardown (its worker, the scheduler's saves) takes several seconds on a busy
+            # CPU: past vLLM's default wait of 5 s it is killed, with a warning, mid-save.
+            shutdown = llm.llm_engine.engine_core.shutdown
+            if "timeout" in inspect.signature(shutdown).parameters:
+                shutdown(timeout=ENGINE_SHUTDOWN_S)
+            else:
+                shutdown()
 
     def __enter__(self) -> RolloutEngine:
         return self

@@ -198,6 +198,7 @@ class SampleStore:
         if "parquet" in formats:
             import datasets
 
+            datasets.disable_progress_bars()  # the console keeps to the run's own lines
             table = datasets.Dataset.from_list(records)
             atomic_write(self.dir / PARQUET_FILE, lambda p: table.to_parquet(str(p)))
             paths["parquet"] = str(self.dir / PARQUET_FILE)

