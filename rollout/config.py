@@ -43,7 +43,6 @@ SCHEDULER_SETTINGS = {
                      "and probes prompts never seen; false: the length statistics alone.",
     "stats_in": "Length statistics to start from; unset: state_dir's.",
     "stats_out": "Where the length statistics are saved; unset: state_dir's.",
-    "stats_options": "LengthStats options: forgetting, window, decay (see policy.*).",
     "timing": "Benchmark-only CPU-time measurements in the trace.",
     "end_with_parent": "End the engine process when the process that started it dies.",
 }

@@ -196,7 +196,6 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
                 "allow it, or set sampling.temperature=0 or policy.spec_draft_tokens=0")
     # vLLM schedules synchronously for a speculating engine: its scheduler (rollout.vllm_adapter) drafts.
     async_scheduling = False if current_platform.is_cpu() or speculating else m.async_scheduling is not False
-    stats_options = {"forgetting": p.forgetting, "window": p.window, "decay": p.decay}
     kwargs = dict(
         model=model_path, dtype=engine_dtype(m.dtype), max_model_len=m.max_model_len,
         seed=cfg.sampling.seed, enforce_eager=m.enforce_eager, tensor_parallel_size=m.tensor_parallel_size,
@@ -206,8 +205,7 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
         kwargs.update(max_num_seqs=p.b_max, scheduler_cls=scheduler_class_path(async_scheduling),
                       additional_config=adapter_settings(asdict(p), str(trace_path), str(stats_out.parent),
                                                          str(stats_in) if stats_in else None,
-                                                         str(stats_out), stats_options,
-                                                         timing=cfg.output.trace_timing))
+                                                         str(stats_out), timing=cfg.output.trace_timing))
     for key in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "block_size", "max_num_batched_tokens"):
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)

@@ -111,7 +111,7 @@ def nominal_max_tokens(request) -> int:
 
 
 def adapter_settings(policy: dict, trace_path: str, state_dir: str | None, stats_in: str | None, stats_out: str | None,
-                     stats_options: dict | None = None, timing: bool = True) -> dict:
+                     timing: bool = True) -> dict:
     """The additional_config entry our driver (rollout.engine) configures the scheduler in the engine process
     with: `policy`, the plain dict form of PolicyConfig; `state_dir`, where the scheduler keeps what it learns
     (the driver reads the per-prompt memory there for its submission order); `timing`, the benchmark-only
@@ -119,8 +119,7 @@ def adapter_settings(policy: dict, trace_path: str, state_dir: str | None, stats
     scheduler from the driver, as from any other engine's owner. Call it in the thread that starts the engine:
     only an engine started by the main thread ends with its parent (`end_with_parent`)."""
     return {SETTINGS_KEY: {"policy": policy, "trace_path": trace_path, "state_dir": state_dir,
-                           "stats_in": stats_in, "stats_out": stats_out, "stats_options": stats_options or {},
-                           "timing": timing,
+                           "stats_in": stats_in, "stats_out": stats_out, "timing": timing,
                            "end_with_parent": threading.current_thread() is threading.main_thread()}}
 
 
@@ -299,7 +298,8 @@ class _DynamicBatchMixin:
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         saved_stats = self.state_dir / STATE_STATS_FILE if self.state_dir is not None else None
-        options = settings.get("stats_options") or {}
+        # The statistics' forgetting is the policy's setting, wherever the settings came from.
+        options = {"forgetting": config.forgetting, "window": config.window, "decay": config.decay}
         stats_in = settings.get("stats_in") or (saved_stats if saved_stats is not None and saved_stats.is_file()
                                                 else None)
         stats = LengthStats.load(stats_in, **options) if stats_in else LengthStats(**options)

@@ -851,3 +851,34 @@ def test_bad_settings_name_what_is_wrong(model_dir, settings, message):
     with pytest.raises(ValueError, match=message):
         make_scheduler(model_dir, None, {}, settings=settings) if settings is not None else read_settings(
             VllmConfig(model_config=model).additional_config)
+
+
+# A value other than its default for every PolicyConfig field, all valid together.
+NON_DEFAULT_POLICY = {
+    "name": "memory", "b_max": 6, "b_min": 2, "static_cap": 5, "eps_m": 0.1, "update_every": 8, "min_observations": 4,
+    "forgetting": "window", "window": 100, "decay": 0.9, "d_sla_ms": 40.0, "sla_eps_ms": 2.0, "sla_relax": 3.0,
+    "sla_hold": 1.5, "sla_window": 4, "sla_chunk": True, "sla_chunk_min_tokens": 16, "sla_chunk_relax_tokens": 32.0,
+    "sla_chunk_hold_tokens": 16.0, "forecast_after": 4, "forecast_carry_over": 0.1, "forecast_cold_start": "memory",
+    "forecast_cold_start_shape": 2.0, "forecast_cold_start_horizon": 0.1, "forecast_horizon_tokens": 500,
+    "forecast_after_share": 0.2, "forecast_pointwise_running_peak": False, "forecast_min_wave": 0.1,
+    "forecast_tail_confidence": 1.0, "forecast_margin_cap": 0.05, "forecast_margin_cap_predicted": 0.2,
+    "forecast_margin_cap_offloading": 0.01, "forecast_margin_feedback": True, "forecast_backfill": False,
+    "forecast_preemption": "least_computed", "forecast_siblings": False, "spec_draft_tokens": 2,
+    "spec_min_gain": 0.25, "spec_max_batch": 8, "order": "fifo", "probe_first": False, "graph_cap": True,
+}
+
+
+def test_every_policy_setting_reaches_the_engine_through_additional_config(build):
+    """What a `vllm serve`, verl or TRL user writes (additional_config["rollout"]["policy"]) is what the scheduler's
+    policy and length statistics hold, field by field: no setting travels another way or is dropped."""
+    from dataclasses import asdict, fields
+
+    from rollout.policy.config import PolicyConfig
+
+    assert set(NON_DEFAULT_POLICY) == {f.name for f in fields(PolicyConfig)}  # a new field needs a value here
+    assert all(value != getattr(PolicyConfig(), key) for key, value in NON_DEFAULT_POLICY.items())
+    scheduler = build({}, max_num_seqs=6, settings={"policy": dict(NON_DEFAULT_POLICY)})
+    policy = scheduler.batch_policy.policy
+    assert asdict(policy.config) == NON_DEFAULT_POLICY
+    stats = policy.stats
+    assert (stats.forgetting, stats.window, stats.decay) == ("window", 100, 0.9)
