@@ -31,7 +31,7 @@ from rollout.data import Prompt, has_tokenizer
 from rollout.models import resolve_model
 from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import probe_first_order
-from rollout.vllm_compat import OFFLOADING_CONNECTOR
+from rollout.vllm_compat import DRAFTS_METHOD, OFFLOADING_CONNECTOR, scheduler_drafts_supported
 
 TRACE_FILE = "trace.jsonl"
 STATS_FILE = "length_stats.json"
@@ -185,6 +185,12 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
 
     m, p = cfg.model, cfg.policy
     speculating = p.spec_draft_tokens > 0 and p.name != "vllm"
+    if speculating and not scheduler_drafts_supported():
+        import vllm
+
+        raise ConfigError(f"policy.spec_draft_tokens={p.spec_draft_tokens}: vLLM {vllm.__version__} takes no drafts "
+                          f"from the scheduler (its speculative method {DRAFTS_METHOD!r} is gone): set "
+                          "policy.spec_draft_tokens=0")
     if speculating and current_platform.is_cpu() and cfg.sampling.temperature > 0:
         from rollout.vllm_plugin import exact_speculative_sampling
 

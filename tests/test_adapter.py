@@ -882,3 +882,18 @@ def test_every_policy_setting_reaches_the_engine_through_additional_config(build
     assert asdict(policy.config) == NON_DEFAULT_POLICY
     stats = policy.stats
     assert (stats.forgetting, stats.window, stats.decay) == ("window", 100, 0.9)
+
+
+def test_scheduler_drafts_need_vllms_custom_class_method():
+    """The scheduler's drafts reach the model runner through vLLM's speculative method `custom_class`, which vLLM
+    0.34 removed: where it is gone, a speculating run stops before the engine starts (engine_kwargs)."""
+    from typing import Literal
+
+    from rollout.vllm_compat import scheduler_drafts_supported, speculative_methods
+
+    assert {"ngram", "custom_class"} <= speculative_methods()  # this vLLM's
+    assert scheduler_drafts_supported()
+    without = Literal["ngram", "medusa", Literal["eagle", "eagle3", Literal["mtp"]], "draft_model"]
+    assert speculative_methods(without) == {"ngram", "medusa", "eagle", "eagle3", "mtp", "draft_model"}
+    assert not scheduler_drafts_supported(without)
+    assert scheduler_drafts_supported(Literal["ngram", Literal["custom_class"]])
