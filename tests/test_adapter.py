@@ -22,9 +22,11 @@ from rollout.sim.engine import StepTimeModel
 from rollout.sim.vllm_loop import Driver, build_scheduler, config_only_model
 from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, RolloutScheduler,
                                   adapter_settings, read_settings)
-from rollout.vllm_compat import CAP_ATTRIBUTES, check_scheduler_hooks, preemption_stops_at_deferred_frees
+from rollout.vllm_compat import (CAP_ATTRIBUTES, check_scheduler_hooks, preemption_stops_at_deferred_frees,
+                                 vllm_release)
 
 BLOCK = 16  # tokens per KV block
+RELEASE = vllm_release(vllm.__version__)  # the installed vLLM's (major, minor): scripts/test-vllm-versions.sh runs several
 CAP = check_scheduler_hooks()  # the attribute vLLM admits by
 
 
@@ -150,10 +152,11 @@ def test_the_installed_vllm_has_every_hook_the_adapter_uses(build):
 
 
 def test_the_installed_vllms_preemption_stops_at_a_deferred_free_and_the_adapter_leaves_it_so(build):
-    """vLLM 0.32's preemption loop stops at a victim whose block free it defers (under async scheduling with a
-    KV connector that loads); the adapter then frees nothing at once itself. A loop that preempts on (0.26's:
-    the guard's call absent from `schedule`) is told apart."""
-    assert preemption_stops_at_deferred_frees()
+    """vLLM 0.31 and later stop their preemption loop at a victim whose block free they defer (under async
+    scheduling with a KV connector that loads); the adapter then frees nothing at once itself. A loop that preempts
+    on (0.24-0.29's: the guard's call absent from `schedule`) is told apart, and the adapter frees at once there."""
+    stops = preemption_stops_at_deferred_frees()
+    assert stops == (RELEASE >= (0, 31))
 
     class PreemptsOn(Scheduler):
         def schedule(self):  # 0.26's loop: allocate, else preempt the last running request, until it fits
@@ -162,7 +165,7 @@ def test_the_installed_vllms_preemption_stops_at_a_deferred_free_and_the_adapter
     assert not preemption_stops_at_deferred_frees(PreemptsOn)
     scheduler = build({"name": "static", "b_max": 8}, host_offload_bytes=1 << 24, cls=AsyncDynamicBatchScheduler,
                       async_scheduling=True)
-    assert scheduler.defer_block_free and not scheduler._free_at_preemption
+    assert scheduler.defer_block_free and scheduler._free_at_preemption == (not stops)
 
 
 def test_a_missing_hook_is_named_with_the_vllm_version():
@@ -170,7 +173,8 @@ def test_a_missing_hook_is_named_with_the_vllm_version():
     # A vLLM whose Scheduler renamed a hook the adapter overrides: the override would never be called.
     renamed = type("Scheduler", Scheduler.__bases__,
                    {k: v for k, v in vars(Scheduler).items() if k != "_preempt_request"})
-    with pytest.raises(ImportError, match=rf"vLLM {version}: it lacks Scheduler\._preempt_request\(\) \(tested"):
+    with pytest.raises(ImportError, match=rf"vLLM {version}: it lacks Scheduler\._preempt_request\(\) \(it supports "
+                                          r"vLLM 0\.24 through 0\.34\)"):
         check_scheduler_hooks(renamed)
 
     class Removed(Scheduler):
@@ -189,12 +193,34 @@ def test_a_missing_hook_is_named_with_the_vllm_version():
     def renamed_init(self):
         self.output_tokens = []
 
+    fields = ("request_id", "sampling_params", "prompt_token_ids", "max_tokens", "num_prompt_tokens",
+              "num_computed_tokens", "num_output_tokens")
     bare_request = type("Request", (), {"__init__": renamed_init, **{
-        name: None for name in ("request_id", "sampling_params", "prompt_token_ids", "max_tokens",
-                                "num_prompt_tokens", "num_computed_tokens", "num_output_tokens",
-                                "skip_reading_prefix_cache")}})
+        name: None for name in (*fields, "skip_reading_prefix_cache")}})
     with pytest.raises(ImportError, match=r"it lacks Request\._output_token_ids \("):
         check_scheduler_hooks(request_cls=bare_request)
+    # vLLM 0.34 turned the flag into a limit: either does; neither is named.
+    limited = type("Request", (), {**{name: None for name in (*fields, "_output_token_ids")},
+                                   "prefix_cache_hit_limit": None})
+    check_scheduler_hooks(request_cls=limited)
+    neither = type("Request", (), {"__init__": renamed_init, **{name: None for name in (*fields, "_output_token_ids")}})
+    with pytest.raises(ImportError, match=r"it lacks Request\.skip_reading_prefix_cache or "
+                                          r"Request\.prefix_cache_hit_limit \("):
+        check_scheduler_hooks(request_cls=neither)
+
+
+@pytest.mark.parametrize("version, supported", [
+    ("0.23.1", False), ("0.24.0", True), ("0.26.0+cpu", True), ("0.32.0", True), ("0.34.0", True),
+    ("0.34.2.dev12", True), ("0.35.0", False), ("1.0.0", False), ("unknown", False)])
+def test_a_vllm_outside_the_supported_range_is_refused_in_one_line(version, supported):
+    from rollout.vllm_compat import check_release
+
+    if supported:
+        check_release(version)
+    else:
+        with pytest.raises(ImportError, match=rf"^rollout's scheduler adapter does not support vLLM {re.escape(version)}: "
+                                              r"it supports vLLM 0\.24 through 0\.34 \(pyproject\.toml's gpu extra\)$"):
+            check_release(version)
 
 
 def test_only_an_engine_a_main_thread_starts_ends_with_its_parent():
@@ -607,6 +633,9 @@ def test_a_preempted_requests_blocks_in_host_memory_outlast_those_of_requests_th
         monkeypatch.setattr(adapter.HostBlocks, "refresh", lambda self, request_id: None)
     scheduler = build({"name": "static", "b_max": 8}, num_blocks=64, host_offload_bytes=12 * BLOCK * 8,
                       kv_bytes_per_token=8)
+    if RELEASE >= (0, 34):  # its offloading managers (tiers) mark no blocks on request: nothing is marked
+        assert scheduler._host_blocks is None
+        pytest.skip("vLLM 0.34's offloading manager has no touch(): the adapter marks no host blocks there")
     assert scheduler._host_blocks is not None
     cap = [3]
     spy_on(scheduler, answer=lambda state: max(cap[0], state.num_running))
@@ -891,8 +920,8 @@ def test_scheduler_drafts_need_vllms_custom_class_method():
 
     from rollout.vllm_compat import scheduler_drafts_supported, speculative_methods
 
-    assert {"ngram", "custom_class"} <= speculative_methods()  # this vLLM's
-    assert scheduler_drafts_supported()
+    assert "ngram" in speculative_methods()  # this vLLM's
+    assert scheduler_drafts_supported() == (RELEASE < (0, 34))
     without = Literal["ngram", "medusa", Literal["eagle", "eagle3", Literal["mtp"]], "draft_model"]
     assert speculative_methods(without) == {"ngram", "medusa", "eagle", "eagle3", "mtp", "draft_model"}
     assert not scheduler_drafts_supported(without)

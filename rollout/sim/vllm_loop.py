@@ -176,9 +176,11 @@ class Driver:
         transferred = self._transfers(output, ids)
         for request_id in ids:
             result.started_s.setdefault(request_id, began)
-        self.in_flight.append((output, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)}, sampled_token_ids=sampled,
-            kv_connector_output=transferred)))
+        # vLLM 0.24-0.33's output also maps each request to its row; 0.34's has no such field.
+        indexed = ({"req_id_to_index": {i: k for k, i in enumerate(ids)}}
+                   if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__ else {})
+        self.in_flight.append((output, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled,
+                                                         kv_connector_output=transferred, **indexed)))
         while self.in_flight and (len(self.in_flight) > 1 or not self.overlap or not ids):
             outputs = self.scheduler.update_from_output(*self.in_flight.popleft())
             for engine in outputs.values():
