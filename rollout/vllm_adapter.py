@@ -824,7 +824,8 @@ class HostBlocks:
     def refresh(self, request_id: str) -> None:
         state = self.states.get(request_id)
         for group in getattr(state, "group_states", ()):  # the manager marks the first block the most recent
-            stored = getattr(group, "offload_keys", [])[:getattr(group, "next_stored_chunk_idx", 0)]
+            stored = getattr(group, "offload_keys", [])[:getattr(  # 0.24 counts blocks, 0.26 on chunks
+                group, "next_stored_chunk_idx", getattr(group, "next_stored_block_idx", 0))]
             self.manager.touch(stored, state.req_context)
 
 

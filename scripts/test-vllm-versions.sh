@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 RELEASES=("$@")
-[ ${#RELEASES[@]} -gt 0 ] || RELEASES=(0.24 0.26 0.29 0.31 0.32 0.33 0.34)
+[ ${#RELEASES[@]} -gt 0 ] || RELEASES=(0.24 0.25 0.26 0.27 0.28 0.29 0.30 0.31 0.32 0.33 0.34)
 PROJECT_SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 status=0
 for release in "${RELEASES[@]}"; do

@@ -63,6 +63,22 @@ def host_bytes_for(host_offload_bytes: int, kv_bytes_per_token: int | None, bloc
     return blocks * -(-SPEC_KV_BYTES_PER_TOKEN * block_size // align) * align
 
 
+def kv_cache_tensors(num_blocks: int, page_bytes: int, layer: str) -> list:
+    """The KV cache allocation a worker would make for one layer of `num_blocks` pages of `page_bytes`, as vLLM's
+    KVCacheTensor describes it. The scheduler never allocates it, but vLLM's offloading sizes a host block from it
+    (the tensors' bytes over num_blocks): with none, 0.24 divides by zero and 0.26-0.29 give host memory no block
+    (every store refused); 0.31 on fall back to the groups' page size, which this equals. Its fields changed in
+    0.29 (`shared_by` became `layers` with strides)."""
+    from dataclasses import fields
+
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    size = num_blocks * page_bytes
+    if "layers" in {f.name for f in fields(KVCacheTensor)}:  # 0.29 on: one layer-outermost allocation
+        return [KVCacheTensor(size=size, layers=[layer], layer_stride=size, block_stride=page_bytes)]
+    return [KVCacheTensor(size=size, shared_by=[layer])]  # up to 0.26: one unpacked tensor (block_stride 0)
+
+
 def build_scheduler(model_dir, additional_config: dict | None, *, num_blocks: int, block_size: int = 16,
                     max_num_seqs: int = 8, max_num_batched_tokens: int = 512, max_model_len: int = 1024, cls=None,
                     async_scheduling: bool = False, prefix_caching: bool = False,
@@ -95,9 +111,11 @@ def build_scheduler(model_dir, additional_config: dict | None, *, num_blocks: in
     config.cache_config.num_gpu_blocks = num_blocks
     # As a GPU engine's config has it (vLLM's CPU platform turns async scheduling off while building the config).
     config.scheduler_config.async_scheduling = async_scheduling
-    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-        ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
-    assert kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes == SPEC_KV_BYTES_PER_TOKEN * block_size
+    page = SPEC_KV_BYTES_PER_TOKEN * block_size
+    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=kv_cache_tensors(num_blocks, page, "layer"),
+                             kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
+                                 block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    assert kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes == page
     return (cls or Scheduler)(vllm_config=config, kv_cache_config=kv_cache, block_size=block_size, log_stats=False,
                               structured_output_manager=StructuredOutputManager(config))
 
