@@ -380,7 +380,10 @@ def configuration_markdown() -> str:
               "`additional_config[\"rollout\"]`, e.g. `vllm serve MODEL --scheduler-cls "
               "rollout.vllm_adapter.RolloutScheduler --additional-config "
               "'{\"rollout\": {\"policy\": {\"name\": \"forecast\"}, \"state_dir\": \"/ckpt/rollout\"}}'`. "
-              "An unknown key stops the engine's start with one line naming it.", "",
+              "An unknown key stops the engine's start with one line naming it. Where a user cannot reach the "
+              "engine's arguments, the environment variable `ROLLOUT_SCHEDULER` (a JSON mapping of these settings, "
+              "or 1 for the defaults), set where the engine is built, gives every engine built there the scheduler "
+              "and its settings (rollout/vllm_plugin.py); the engine's own settings win.", "",
               "| key | description |", "|---|---|"]
     lines += [f"| `{key}` | {cell(text)} |" for key, text in SCHEDULER_SETTINGS.items()]
     lines.append("")

@@ -152,11 +152,11 @@ def test_the_installed_vllm_has_every_hook_the_adapter_uses(build):
 
 
 def test_the_installed_vllms_preemption_stops_at_a_deferred_free_and_the_adapter_leaves_it_so(build):
-    """vLLM 0.31 and later stop their preemption loop at a victim whose block free they defer (under async
+    """vLLM 0.30 and later stop their preemption loop at a victim whose block free they defer (under async
     scheduling with a KV connector that loads); the adapter then frees nothing at once itself. A loop that preempts
     on (0.24-0.29's: the guard's call absent from `schedule`) is told apart, and the adapter frees at once there."""
     stops = preemption_stops_at_deferred_frees()
-    assert stops == (RELEASE >= (0, 31))
+    assert stops == (RELEASE >= (0, 30))
 
     class PreemptsOn(Scheduler):
         def schedule(self):  # 0.26's loop: allocate, else preempt the last running request, until it fits

@@ -147,16 +147,23 @@ async def one_pass(engine) -> list[str]:
 @pytest.mark.parametrize("stack", ["verl", "openrlhf"])
 def test_the_stacks_engine_arguments_reach_our_scheduler_and_it_learns_across_two_passes(tiny_model, tmp_path,
                                                                                          stack):
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     state = tmp_path / "state"
     engine_args = (verl_engine_args if stack == "verl" else openrlhf_engine_args)(tiny_model, state, tmp_path)
     assert engine_args.scheduler_cls == "rollout.vllm_adapter.RolloutScheduler"
     assert engine_args.additional_config == our_engine_kwargs(state)["additional_config"]
 
+    learns_across_two_passes(engine_args, state)
+
+
+def learns_across_two_passes(engine_args, state, check_config=lambda config: None) -> None:
+    """Two passes through an AsyncLLM built from `engine_args` (`check_config(vllm_config)` first): the scheduler
+    learned every prompt's length from the first (in `state`) and runs the longest first in the second."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
     async def two_passes():
         engine = AsyncLLM.from_engine_args(engine_args)
         try:
+            check_config(engine.vllm_config)
             await one_pass(engine)
             memory = json.loads((state / "prompt_lengths.json").read_text())["mean_output_tokens"]
             assert memory == pytest.approx({prompt_key(tokens): n for tokens, n in PROMPTS.values()})
@@ -175,7 +182,6 @@ def test_the_switch_puts_our_scheduler_into_an_engine_built_without_scheduler_ar
     before it is built, gives it our scheduler (the package's vLLM plugin), which learns across two passes; the
     engine's own rollout settings win over the variable's, field by field."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from rollout.vllm_plugin import SCHEDULER_ENV
 
@@ -186,22 +192,12 @@ def test_the_switch_puts_our_scheduler_into_an_engine_built_without_scheduler_ar
                                   dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES,
                                   additional_config={"rollout": {"policy": {"b_max": 1}}})
 
-    async def two_passes():
-        engine = AsyncLLM.from_engine_args(engine_args)
-        try:
-            config = engine.vllm_config
-            assert config.scheduler_config.scheduler_cls == "rollout.vllm_adapter.RolloutScheduler"
-            assert config.additional_config["rollout"] == {"policy": {"name": "forecast", "b_max": 1},
-                                                           "state_dir": str(state)}
-            await one_pass(engine)
-            memory = json.loads((state / "prompt_lengths.json").read_text())["mean_output_tokens"]
-            assert memory == pytest.approx({prompt_key(tokens): n for tokens, n in PROMPTS.values()})
-            return await one_pass(engine)
-        finally:
-            engine.shutdown()
+    def ours(config) -> None:
+        assert config.scheduler_config.scheduler_cls == "rollout.vllm_adapter.RolloutScheduler"
+        assert config.additional_config["rollout"] == {"policy": {"name": "forecast", "b_max": 1},
+                                                       "state_dir": str(state)}
 
-    second = asyncio.run(two_passes())
-    assert second.index("long") < second.index("middle"), second
+    learns_across_two_passes(engine_args, state, ours)
 
 
 def test_a_bad_switch_value_stops_the_engine_naming_it(tiny_model, monkeypatch):
