@@ -131,7 +131,7 @@ def exit_on_interrupt(message: str, grace_s: float = 2.0):
         raise KeyboardInterrupt
 
 
-def size_kv_cache(cfg: RunConfig, prompts: list) -> None:
+def size_kv_cache(cfg: RunConfig, model_path: str, prompts: list) -> None:
     """On the CPU, a KV cache the user gave no size gets one sized from the prompt set and the machine
     (rollout.cpu_memory), said in one line; vLLM's own default would take most of the host's memory."""
     from vllm.platforms import current_platform
@@ -139,7 +139,7 @@ def size_kv_cache(cfg: RunConfig, prompts: list) -> None:
     from rollout.engine import cpu_kv_cache, unsized
 
     if current_platform.is_cpu() and unsized(cfg):
-        size = cpu_kv_cache(cfg, resolve_model(cfg.model.path), prompts)
+        size = cpu_kv_cache(cfg, model_path, prompts)
         cfg.model.kv_cache_memory_bytes = size.bytes
         print(size.reason, file=sys.stderr)
 
@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.overrides, args.config)
         set_vllm_log_level(cfg.output.vllm_log_level)  # before anything here imports vLLM
         check_platform(cfg)
-        tokenizer = load_tokenizer(resolve_model(cfg.model.path))
+        model_path = resolve_model(cfg.model.path)
+        tokenizer = load_tokenizer(model_path)
         prompts, skipped = load_prompts(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_model_len - 1)
-        size_kv_cache(cfg, prompts)
         out_dir = Path(cfg.output.dir)
         store = SampleStore(out_dir, fingerprint(output_settings(cfg), prompts), overwrite=cfg.output.overwrite,
                             force=cfg.output.force)
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nothing to do: {out_dir} holds this run, complete (output.overwrite=true generates it again)")
             print("\n".join(closing_lines(complete, out_dir, latest="last run")))
             return 0
+        size_kv_cache(cfg, model_path, prompts)
         done = store.open()
     except (ConfigError, DataError, ModelError, StoreError, OSError) as exc:
         return fail(str(exc))

@@ -35,7 +35,8 @@ NOTICES = {
     },
     "vllm.config.scheduler": {"Using custom scheduler class rollout.": "rollout's own scheduler, asked for by rollout"},
     "vllm.v1.engine.input_processor": {
-        "Passing raw prompts to InputProcessor is deprecated": "how rollout submits token ids; nothing for a user to do",
+        "Passing raw prompts to InputProcessor is deprecated": "how rollout submits token ids; nothing for a user "
+                                                               "to do",
     },
 }
 # torch's, from vLLM's import of its Triton stand-ins.

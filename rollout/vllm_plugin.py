@@ -117,8 +117,9 @@ def expand_is_exact(expand) -> bool:
 
 
 def register() -> None:
-    """The switch installed; on a CPU, vLLM's expand gives way to the torch one. (A probe of vLLM's cannot tell: before the CPU platform
-    installs its kernel stand-ins, which happens after plugins load, the kernel cannot run at all.)"""
+    """The log filter and the switch installed; on a CPU, vLLM's expand gives way to the torch one. (A probe of
+    vLLM's cannot tell: before the CPU platform installs its kernel stand-ins, which happens after plugins load, the
+    kernel cannot run at all.)"""
     from vllm.platforms import current_platform
 
     from rollout import vllm_logs
