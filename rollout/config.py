@@ -177,7 +177,7 @@ class OutputConfig:
     vllm_log_level: str = field(default="WARNING", metadata={"help": (
         "The level of vLLM's own log lines, CRITICAL to DEBUG. WARNING keeps the console to the progress bar and "
         "what goes wrong (the start-up notices of vLLM, torch and Triton that ask nothing of the user are left out "
-        "too: rollout/vllm_logs.py); INFO brings back every line, the engine's start-up and every-10-seconds ones. VLLM_LOGGING_LEVEL, "
+        "too: rollout/vllm/logs.py); INFO brings back every line, the engine's start-up and every-10-seconds ones. VLLM_LOGGING_LEVEL, "
         "where set, wins. The metrics the summary reads are on at every level.")})
 
 
@@ -375,15 +375,15 @@ def configuration_markdown() -> str:
                          f"{cell(f.metadata['help'])} |")
         lines.append("")
     lines += ["## The scheduler inside an engine someone else builds", "",
-              "vLLM loads the scheduler from `scheduler_cls` (`rollout.vllm_adapter.RolloutScheduler`, which builds "
+              "vLLM loads the scheduler from `scheduler_cls` (`rollout.vllm.RolloutScheduler`, which builds "
               "the synchronous or the async one as the engine schedules) and reads its settings from "
               "`additional_config[\"rollout\"]`, e.g. `vllm serve MODEL --scheduler-cls "
-              "rollout.vllm_adapter.RolloutScheduler --additional-config "
+              "rollout.vllm.RolloutScheduler --additional-config "
               "'{\"rollout\": {\"policy\": {\"name\": \"forecast\"}, \"state_dir\": \"/ckpt/rollout\"}}'`. "
               "An unknown key stops the engine's start with one line naming it. Where a user cannot reach the "
               "engine's arguments, the environment variable `ROLLOUT_SCHEDULER` (a JSON mapping of these settings, "
               "or 1 for the defaults), set where the engine is built, gives every engine built there the scheduler "
-              "and its settings (rollout/vllm_plugin.py); the engine's own settings win.", "",
+              "and its settings (rollout/vllm/plugin.py); the engine's own settings win.", "",
               "| key | description |", "|---|---|"]
     lines += [f"| `{key}` | {cell(text)} |" for key, text in SCHEDULER_SETTINGS.items()]
     lines.append("")

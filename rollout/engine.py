@@ -25,20 +25,20 @@ import numpy as np
 
 from rollout.batch import RolloutBatch
 from rollout.config import ConfigError, RunConfig
-from rollout import vllm_logs
+from rollout.vllm import logs as vllm_logs
 from rollout.cpu_memory import KVCacheSize, default_kv_cache, demand_tokens
 from rollout.data import Prompt, has_tokenizer
 from rollout.models import resolve_model
 from rollout.policy.length_stats import PromptLengths, prompt_key
 from rollout.policy.probes import probe_first_order
-from rollout.vllm_compat import DRAFTS_METHOD, OFFLOADING_CONNECTOR, scheduler_drafts_supported
+from rollout.vllm.versions import DRAFTS_METHOD, OFFLOADING_CONNECTOR, scheduler_drafts_supported
 
 TRACE_FILE = "trace.jsonl"
 STATS_FILE = "length_stats.json"
 PROMPT_LENGTHS_FILE = "prompt_lengths.json"
 SERIES_POINTS = 200
 VLLM_LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
-QUIET_LEVELS = ("WARNING", "ERROR", "CRITICAL")  # levels at which vLLM's start-up notices stay out (vllm_logs)
+QUIET_LEVELS = ("WARNING", "ERROR", "CRITICAL")  # levels at which vLLM's start-up notices stay out (rollout.vllm.logs)
 ENGINE_SHUTDOWN_S = 60.0  # the engine core's wait to end by itself before vLLM kills it
 _written_log_level: str | None = None  # the value this module put in VLLM_LOGGING_LEVEL, told from the user's
 
@@ -172,7 +172,7 @@ def cpu_kv_cache(cfg: RunConfig, model_path: str, prompts: list[Prompt] | None =
                             psutil.virtual_memory().available)
 
 
-NO_WORKER_DRAFTS = "rollout.vllm_adapter.NoWorkerDrafts"  # the worker's proposer where the scheduler drafts
+NO_WORKER_DRAFTS = "rollout.vllm.drafting.NoWorkerDrafts"  # the worker's proposer where the scheduler drafts
 
 
 def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: Path | None,
@@ -181,7 +181,8 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
     KV sizing. Shared by the offline driver (vllm.LLM) and the online server (AsyncLLM)."""
     from vllm.platforms import current_platform
 
-    from rollout.vllm_adapter import adapter_settings, scheduler_class_path
+    from rollout.vllm.scheduler import scheduler_class_path
+    from rollout.vllm.settings import adapter_settings
 
     m, p = cfg.model, cfg.policy
     speculating = p.spec_draft_tokens > 0 and p.name != "vllm"
@@ -192,7 +193,7 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
                           f"from the scheduler (its speculative method {DRAFTS_METHOD!r} is gone): set "
                           "policy.spec_draft_tokens=0")
     if speculating and current_platform.is_cpu() and cfg.sampling.temperature > 0:
-        from rollout.vllm_plugin import exact_speculative_sampling
+        from rollout.vllm.plugin import exact_speculative_sampling
 
         if not exact_speculative_sampling():
             raise ConfigError(
@@ -200,7 +201,7 @@ def engine_kwargs(cfg: RunConfig, model_path: str, trace_path: Path, stats_in: P
                 "without rollout's vLLM plugin, which fixes its sampler (it reads unwritten temperatures; "
                 "docs/vllm-speculation.md section 6) and which VLLM_PLUGINS leaves out or pip has not installed: "
                 "allow it, or set sampling.temperature=0 or policy.spec_draft_tokens=0")
-    # vLLM schedules synchronously for a speculating engine: its scheduler (rollout.vllm_adapter) drafts.
+    # vLLM schedules synchronously for a speculating engine: its scheduler (rollout.vllm.drafting) drafts.
     async_scheduling = False if current_platform.is_cpu() or speculating else m.async_scheduling is not False
     kwargs = dict(
         model=model_path, dtype=engine_dtype(m.dtype), max_model_len=m.max_model_len,
@@ -398,7 +399,7 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from rollout.vllm_adapter import NOMINAL_MAX_TOKENS_KEY
+        from rollout.vllm.settings import NOMINAL_MAX_TOKENS_KEY
 
         s = self.cfg.sampling
         extra = {NOMINAL_MAX_TOKENS_KEY: nominal_max_tokens} if nominal_max_tokens is not None else None

@@ -14,7 +14,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 
-from rollout import vllm_logs
+from rollout.vllm import logs as vllm_logs
 from rollout.config import ConfigError, RunConfig, describe_options, load_config, to_yaml
 from rollout.data import DataError, load_prompts, load_tokenizer
 from rollout.engine import check_platform, set_vllm_log_level
@@ -22,7 +22,7 @@ from rollout.models import ModelError, resolve_model
 from rollout.store import SampleStore, StoreError, fingerprint
 
 # vLLM starts its engine core as a new interpreter, which imports this module (the parent's __main__) before
-# vLLM: its notices at import (rollout.vllm_logs) are left out there only if the filter is in place by then.
+# vLLM: its notices at import (rollout.vllm.logs) are left out there only if the filter is in place by then.
 vllm_logs.apply()
 
 EXIT_BAD_INPUT = 2

@@ -585,7 +585,7 @@ class OnlineServer:
         from vllm.sampling_params import RequestOutputKind
 
         from rollout.engine import TraceReader
-        from rollout.vllm_adapter import NOMINAL_MAX_TOKENS_KEY
+        from rollout.vllm.settings import NOMINAL_MAX_TOKENS_KEY
 
         self.trials += 1
         trace = TraceReader(self.trace_path)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rollout.suite import GPU_ENGINE, benchmark_model, load_bench_config  # noqa: E402
-from rollout.vllm_adapter import NOMINAL_MAX_TOKENS_KEY  # noqa: E402
+from rollout.vllm.settings import NOMINAL_MAX_TOKENS_KEY  # noqa: E402
 from rollout.workloads import max_prompt_tokens, profile_requests  # noqa: E402
 
 STARTUP_S = 900
@@ -64,7 +64,7 @@ def server_command(bench, profile, scheduler: str, model: str, port: int, state_
     if scheduler == "ours":
         settings = {"policy": {"name": "forecast", "b_max": bench.b_max, "eps_m": bench.eps_m},
                     "state_dir": str(state_dir), "trace_path": str(state_dir / "trace.jsonl")}
-        command += ["--max-num-seqs", str(bench.b_max), "--scheduler-cls", "rollout.vllm_adapter.RolloutScheduler",
+        command += ["--max-num-seqs", str(bench.b_max), "--scheduler-cls", "rollout.vllm.RolloutScheduler",
                     "--additional-config", json.dumps({"rollout": settings})]
     return command
 

@@ -20,10 +20,10 @@ from vllm.v1.request import Request, RequestStatus
 
 from rollout.sim.engine import StepTimeModel
 from rollout.sim.vllm_loop import Driver, build_scheduler, config_only_model
-from rollout.vllm_adapter import (SETTINGS_KEY, AsyncDynamicBatchScheduler, DynamicBatchScheduler, RolloutScheduler,
-                                  adapter_settings, read_settings)
-from rollout.vllm_compat import (CAP_ATTRIBUTES, check_scheduler_hooks, preemption_stops_at_deferred_frees,
-                                 vllm_release)
+from rollout.vllm.scheduler import AsyncDynamicBatchScheduler, DynamicBatchScheduler, RolloutScheduler
+from rollout.vllm.settings import SETTINGS_KEY, adapter_settings, read_settings
+from rollout.vllm.versions import (CAP_ATTRIBUTES, check_scheduler_hooks, preemption_stops_at_deferred_frees,
+                                   vllm_release)
 
 BLOCK = 16  # tokens per KV block
 RELEASE = vllm_release(vllm.__version__)  # the installed vLLM's (major, minor): scripts/test-vllm-versions.sh runs several
@@ -165,7 +165,7 @@ def test_the_installed_vllms_preemption_stops_at_a_deferred_free_and_the_adapter
     assert not preemption_stops_at_deferred_frees(PreemptsOn)
     scheduler = build({"name": "static", "b_max": 8}, host_offload_bytes=1 << 24, cls=AsyncDynamicBatchScheduler,
                       async_scheduling=True)
-    assert scheduler.defer_block_free and scheduler._free_at_preemption == (not stops)
+    assert scheduler.defer_block_free and scheduler.offloading.free_at_preemption == (not stops)
 
 
 def test_a_missing_hook_is_named_with_the_vllm_version():
@@ -213,7 +213,7 @@ def test_a_missing_hook_is_named_with_the_vllm_version():
     ("0.23.1", False), ("0.24.0", True), ("0.26.0+cpu", True), ("0.32.0", True), ("0.34.0", True),
     ("0.34.2.dev12", True), ("0.35.0", False), ("1.0.0", False), ("unknown", False)])
 def test_a_vllm_outside_the_supported_range_is_refused_in_one_line(version, supported):
-    from rollout.vllm_compat import check_release
+    from rollout.vllm.versions import check_release
 
     if supported:
         check_release(version)
@@ -222,6 +222,24 @@ def test_a_vllm_outside_the_supported_range_is_refused_in_one_line(version, supp
                                               r"it supports vLLM 0\.24 through 0\.34 \(pyproject\.toml's gpu extra\)$"):
             check_release(version)
 
+
+def test_the_scheduler_is_found_under_its_name_and_its_earlier_path_and_the_plugin_loads_no_scheduler():
+    """vLLM resolves `scheduler_cls` by module and attribute: `rollout.vllm.RolloutScheduler` and the path that
+    configurations written for earlier versions name are the same class. The plugin, which vLLM loads in each of
+    its processes before it builds anything, imports no scheduler."""
+    import subprocess
+    import sys
+
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    assert resolve_obj_by_qualname("rollout.vllm.RolloutScheduler") is RolloutScheduler
+    assert resolve_obj_by_qualname("rollout.vllm_adapter.RolloutScheduler") is RolloutScheduler
+    with pytest.raises(AttributeError, match="RolloutSchedular"):
+        resolve_obj_by_qualname("rollout.vllm.RolloutSchedular")
+    loaded = subprocess.run([sys.executable, "-c", "import sys, rollout.vllm.plugin; print(sorted(m for m in "
+                             "sys.modules if m.startswith(('vllm', 'rollout.vllm.'))))"],
+                            capture_output=True, text=True, check=True).stdout
+    assert "rollout.vllm.plugin" in loaded and "scheduler" not in loaded, loaded
 
 def test_only_an_engine_a_main_thread_starts_ends_with_its_parent():
     # Linux signals a process when the parent's *thread* that started it ends: an engine that a trainer starts
@@ -575,14 +593,16 @@ def test_where_vllm_defers_a_victims_block_free_its_blocks_free_at_once_and_load
     them. Three requests run; one is preempted and kept out at a cap of 2, waiting in host memory; then another is
     preempted as 0.26's loop does, while a step that ran it is in flight, with room for both: the waiting one's
     load waits for that step."""
-    import rollout.vllm_adapter as adapter
+    import dataclasses
 
-    monkeypatch.setattr(adapter, "preemption_stops_at_deferred_frees", lambda: False)
+    import rollout.vllm.scheduler as adapter
+
+    monkeypatch.setattr(adapter, "HOOKS", dataclasses.replace(adapter.HOOKS, preemption_stops_at_deferred_frees=False))
     # Hashes for the host memory's keys; no prefix cache, so a resumed request finds its blocks in host memory.
     hasher = block_hasher()
     scheduler = build({"name": "static", "b_max": 8}, num_blocks=32, host_offload_bytes=1 << 24,
                       cls=AsyncDynamicBatchScheduler, async_scheduling=True)
-    assert scheduler.defer_block_free and scheduler._free_at_preemption
+    assert scheduler.defer_block_free and scheduler.offloading.free_at_preemption
     cap = [3]
     spy_on(scheduler, answer=lambda state: max(cap[0], state.num_running))
     first, waiter, victim = requests = [request(name, 30, 80, block_hasher=hasher)
@@ -627,16 +647,16 @@ def test_a_preempted_requests_blocks_in_host_memory_outlast_those_of_requests_th
     with 3 written, is preempted at once and waits (a cap of 1) while the third writes 6 more: 3 blocks are
     evicted. Marked, the victim resumes loading its blocks and computes only its last, partial one; unmarked (the
     mark turned off), its first block is gone and it computes everything again."""
-    import rollout.vllm_adapter as adapter
+    from rollout.vllm.offloading import HostBlocks
 
     if not marked:
-        monkeypatch.setattr(adapter.HostBlocks, "refresh", lambda self, request_id: None)
+        monkeypatch.setattr(HostBlocks, "refresh", lambda self, request_id: None)
     scheduler = build({"name": "static", "b_max": 8}, num_blocks=64, host_offload_bytes=12 * BLOCK * 8,
                       kv_bytes_per_token=8)
     if RELEASE >= (0, 34):  # its offloading managers (tiers) mark no blocks on request: nothing is marked
-        assert scheduler._host_blocks is None
+        assert scheduler.offloading.host_blocks is None
         pytest.skip("vLLM 0.34's offloading manager has no touch(): the adapter marks no host blocks there")
-    assert scheduler._host_blocks is not None
+    assert scheduler.offloading.host_blocks is not None
     cap = [3]
     spy_on(scheduler, answer=lambda state: max(cap[0], state.num_running))
     hasher = block_hasher()  # host memory finds blocks by their hashes; no prefix cache
@@ -918,7 +938,7 @@ def test_scheduler_drafts_need_vllms_custom_class_method():
     0.34 removed: where it is gone, a speculating run stops before the engine starts (engine_kwargs)."""
     from typing import Literal
 
-    from rollout.vllm_compat import scheduler_drafts_supported, speculative_methods
+    from rollout.vllm.versions import scheduler_drafts_supported, speculative_methods
 
     assert "ngram" in speculative_methods()  # this vLLM's
     assert scheduler_drafts_supported() == (RELEASE < (0, 34))

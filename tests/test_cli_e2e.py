@@ -111,10 +111,10 @@ def test_second_run_starts_from_saved_statistics(two_runs):
 
 def test_vllm_logs_only_warnings_unless_asked(two_runs):
     """vLLM's INFO lines (engine start, throughput every 10 s) stay off the console by default, and so do the
-    start-up notices of vLLM, torch and Triton that ask nothing of the user (rollout.vllm_logs), in the engine's
+    start-up notices of vLLM, torch and Triton that ask nothing of the user (rollout.vllm.logs), in the engine's
     processes too, and vLLM's kill of an engine slow to end; the second run asked for all of vLLM's lines with
     output.vllm_log_level=INFO. Its metrics are read at both levels."""
-    from rollout.vllm_logs import NOTICES
+    from rollout.vllm.logs import NOTICES
 
     root, first, second = two_runs
     quiet, loud = ((root / run / "console.txt").read_text() for run in ("first", "second"))

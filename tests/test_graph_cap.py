@@ -122,7 +122,7 @@ def test_in_the_simulator_a_cheap_eager_step_lets_the_batch_past_the_graph():
 def test_the_graph_batch_is_read_from_vllms_compilation_config():
     from vllm.config import CompilationConfig
 
-    from rollout.vllm_adapter import graph_batch
+    from rollout.vllm.settings import graph_batch
 
     def config(enforce_eager=False, **compilation):
         return SimpleNamespace(compilation_config=CompilationConfig(**compilation),

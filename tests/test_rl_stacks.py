@@ -24,7 +24,7 @@ KV_CACHE_BYTES = 64 << 20  # on CPU vLLM must be told (a GPU user gives gpu_memo
 
 def our_engine_kwargs(state_dir) -> dict:
     """What a user adds to the stack's vLLM engine arguments (README, "Use it from your trainer")."""
-    return {"scheduler_cls": "rollout.vllm_adapter.RolloutScheduler",
+    return {"scheduler_cls": "rollout.vllm.RolloutScheduler",
             "additional_config": {"rollout": {"policy": {"name": "forecast", "b_max": 1},
                                               "state_dir": str(state_dir)}}}
 
@@ -149,7 +149,7 @@ def test_the_stacks_engine_arguments_reach_our_scheduler_and_it_learns_across_tw
                                                                                          stack):
     state = tmp_path / "state"
     engine_args = (verl_engine_args if stack == "verl" else openrlhf_engine_args)(tiny_model, state, tmp_path)
-    assert engine_args.scheduler_cls == "rollout.vllm_adapter.RolloutScheduler"
+    assert engine_args.scheduler_cls == "rollout.vllm.RolloutScheduler"
     assert engine_args.additional_config == our_engine_kwargs(state)["additional_config"]
 
     learns_across_two_passes(engine_args, state)
@@ -183,7 +183,7 @@ def test_the_switch_puts_our_scheduler_into_an_engine_built_without_scheduler_ar
     engine's own rollout settings win over the variable's, field by field."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from rollout.vllm_plugin import SCHEDULER_ENV
+    from rollout.vllm.plugin import SCHEDULER_ENV
 
     state = tmp_path / "state"
     monkeypatch.setenv(SCHEDULER_ENV, json.dumps({"policy": {"name": "forecast", "b_max": 4},
@@ -193,7 +193,7 @@ def test_the_switch_puts_our_scheduler_into_an_engine_built_without_scheduler_ar
                                   additional_config={"rollout": {"policy": {"b_max": 1}}})
 
     def ours(config) -> None:
-        assert config.scheduler_config.scheduler_cls == "rollout.vllm_adapter.RolloutScheduler"
+        assert config.scheduler_config.scheduler_cls == "rollout.vllm.RolloutScheduler"
         assert config.additional_config["rollout"] == {"policy": {"name": "forecast", "b_max": 1},
                                                        "state_dir": str(state)}
 
@@ -203,7 +203,7 @@ def test_the_switch_puts_our_scheduler_into_an_engine_built_without_scheduler_ar
 def test_a_bad_switch_value_stops_the_engine_naming_it(tiny_model, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
-    from rollout.vllm_plugin import SCHEDULER_ENV, apply_switch
+    from rollout.vllm.plugin import SCHEDULER_ENV, apply_switch
 
     monkeypatch.setenv(SCHEDULER_ENV, "{not json")
     with pytest.raises(ValueError, match="ROLLOUT_SCHEDULER must be 1 or a JSON mapping"):
@@ -216,6 +216,9 @@ def test_a_bad_switch_value_stops_the_engine_naming_it(tiny_model, monkeypatch):
     assert not apply_switch(other) and other.scheduler_cls == "my.Scheduler"
     plain = EngineArgs(model=str(tiny_model))
     assert apply_switch(plain) and plain.additional_config == {"rollout": {"policy": {}}}
+    # The scheduler's path in configurations written for earlier versions names our scheduler: the switch applies.
+    legacy = EngineArgs(model=str(tiny_model), scheduler_cls="rollout.vllm_adapter.RolloutScheduler")
+    assert apply_switch(legacy) and legacy.scheduler_cls == "rollout.vllm.RolloutScheduler"
 
 
 def test_the_switch_reaches_an_engine_in_a_ray_actor_through_its_runtime_environment(tiny_model, tmp_path):
@@ -223,7 +226,7 @@ def test_the_switch_reaches_an_engine_in_a_ray_actor_through_its_runtime_environ
     environment; the engine, built with no scheduler argument, runs our scheduler and learns across two passes."""
     import ray
 
-    from rollout.vllm_plugin import SCHEDULER_ENV
+    from rollout.vllm.plugin import SCHEDULER_ENV
 
     state = tmp_path / "state"
     settings = {"policy": {"name": "forecast", "b_max": 1}, "state_dir": str(state)}
@@ -251,6 +254,6 @@ def test_the_switch_reaches_an_engine_in_a_ray_actor_through_its_runtime_environ
         scheduler_cls, given, learned = ray.get(actor.two_passes.remote(str(tiny_model)), timeout=900)
     finally:
         ray.shutdown()
-    assert scheduler_cls == "rollout.vllm_adapter.RolloutScheduler" and given == settings
+    assert scheduler_cls == "rollout.vllm.RolloutScheduler" and given == settings
     expected = {prompt_key(tokens): n for tokens, n in PROMPTS.values()}
     assert learned == [pytest.approx(expected), pytest.approx(expected)]

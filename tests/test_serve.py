@@ -43,7 +43,7 @@ class Server:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512",
                    "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "32",
-                   "--seed", "0", "--enable-log-requests", "--scheduler-cls", "rollout.vllm_adapter.RolloutScheduler",
+                   "--seed", "0", "--enable-log-requests", "--scheduler-cls", "rollout.vllm.RolloutScheduler",
                    "--additional-config", json.dumps({"rollout": settings})]
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,

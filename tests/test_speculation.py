@@ -13,7 +13,7 @@ from rollout.config import ConfigError, RunConfig, validate
 from rollout.data import Prompt
 from rollout.engine import RolloutEngine, engine_kwargs, compilation_warning
 from rollout.models import build_chain_llama
-from rollout.vllm_plugin import expand_batch_to_tokens, expand_is_exact
+from rollout.vllm.plugin import expand_batch_to_tokens, expand_is_exact
 
 pytestmark = pytest.mark.engine
 

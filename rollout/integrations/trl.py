@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SCHEDULER_CLS = "rollout.vllm_adapter.RolloutScheduler"
+SCHEDULER_CLS = "rollout.vllm.RolloutScheduler"
 
 
 def use_rollout_scheduler(state_dir: str | None = None, policy: dict | None = None, trace_path: str | None = None,

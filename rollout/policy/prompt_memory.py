@@ -113,7 +113,7 @@ class PromptMemory:
 
 
 def pass_arrivals(memory: PromptMemory, keys: Sequence[str]) -> list[Arrival]:
-    """What the scheduler (rollout.vllm_adapter) ends up knowing of each request where requests of these prompts
+    """What the scheduler (rollout.vllm.prompt_store) ends up knowing of each request where requests of these prompts
     arrive in this order: a probed prompt's first request gets its probe group when its second arrives. The
     simulator's view of a pass, which must match the adapter's."""
     arrivals = []

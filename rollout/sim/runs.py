@@ -89,7 +89,7 @@ def simulate_profile(bench: BenchConfig, profile: ProfileConfig, name: str, step
     if bench.kv_offloading_gib:  # as the adapter under vLLM's KV connector
         config = config.under_kv_offloading()
     policy = make_policy(config, stats, graph_batch=step_time.graph_batch)  # as the adapter reads it from vLLM
-    memory = PromptMemory(lengths, "longest_first", probes)  # the scheduler's (rollout.vllm_adapter)
+    memory = PromptMemory(lengths, "longest_first", probes)  # the scheduler's (rollout.vllm.prompt_store)
     offload = None
     if bench.kv_offloading_gib:
         if not profile.kv_cache_memory_bytes:

@@ -2,7 +2,7 @@
 where what matters is vLLM's code rather than ours (rollout/sim/engine.py re-implements vLLM's loop and leaves
 out its KV connectors).
 
-The scheduler (rollout.vllm_adapter's, or vLLM's `Scheduler` at a static cap) is built from a VllmConfig over a
+The scheduler (rollout.vllm's, or vLLM's `Scheduler` at a static cap) is built from a VllmConfig over a
 model folder holding only a config.json, as vLLM's own scheduler tests build theirs; each step every scheduled
 request whose prompt is computed samples one token, and the step takes what the fitted `StepTimeModel` says. With
 `host_offload_bytes`, vLLM's OffloadingConnector runs its scheduler side: a load (a preempted request resuming)
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout.sim.engine import StepTimeModel
-from rollout.vllm_compat import OFFLOADING_CONNECTOR
+from rollout.vllm.versions import OFFLOADING_CONNECTOR
 
 
 def sampled_token(request_id: str) -> int:
@@ -84,7 +84,7 @@ def build_scheduler(model_dir, additional_config: dict | None, *, num_blocks: in
                     async_scheduling: bool = False, prefix_caching: bool = False,
                     host_offload_bytes: int | None = None, kv_bytes_per_token: int | None = None):
     """`cls` (vLLM's `Scheduler` where None) over `num_blocks` KV blocks (one of them vLLM's null block), with
-    `additional_config` (rollout's scheduler reads its settings there: rollout.vllm_adapter.adapter_settings).
+    `additional_config` (rollout's scheduler reads its settings there: rollout.vllm.settings.adapter_settings).
     `host_offload_bytes`: vLLM's native KV offloading to that much host memory (model.kv_offloading_gib), its
     scheduler side; measured in a model's KV of `kv_bytes_per_token` (None: this scheduler's own, a few bytes a
     token), so that host memory holds as many tokens as it would for that model."""
@@ -275,7 +275,8 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
     from rollout.sim.engine import HOST_LINK_BYTES_PER_S
     from rollout.sim.runs import VLLM_DEFAULT_MAX_NUM_SEQS, engine_submission, probes_first, scheduler_settings
     from rollout.suite import save_learned_state
-    from rollout.vllm_adapter import CAP_ATTR, NOMINAL_MAX_TOKENS_KEY, DynamicBatchScheduler, adapter_settings
+    from rollout.vllm.scheduler import HOOKS, DynamicBatchScheduler
+    from rollout.vllm.settings import NOMINAL_MAX_TOKENS_KEY, adapter_settings
     from rollout.workloads import longest_first, profile_requests
 
     ours = name.split(":")[0] != "vllm"
@@ -319,7 +320,7 @@ def profile_run(bench, profile, name: str, step_time: StepTimeModel, work: Path,
                 for k, r in enumerate(requests)]
             results.append(Driver(scheduler, vllm_requests, step_time,
                                   load_s_per_token=kv_bytes_per_token / HOST_LINK_BYTES_PER_S,
-                                  cap_attr=CAP_ATTR if ours else None, observe=observe).run())
+                                  cap_attr=HOOKS.cap if ours else None, observe=observe).run())
     finally:
         scheduler.shutdown()
     records = [json.loads(line) for line in trace.read_bytes().split(b"\n") if line] if trace.is_file() else []

@@ -1,11 +1,14 @@
-"""The parts of vLLM's V1 scheduler that rollout/vllm_adapter.py relies on, checked before it subclasses them.
+"""The vLLM releases the adapter runs on, and every private name of vLLM's V1 scheduler it touches, per release.
 
 The adapter overrides private scheduler methods (`_free_request`, `_preempt_request`) and reads private
-attributes (`Request._output_token_ids`, the admission cap). vLLM may rename any of them in a release: an
-override of a renamed method is never called, and the adapter would then run on without error, its policy
-blind to finishes or preemptions. `check_scheduler_hooks` turns that into an ImportError that names the
-installed vLLM and what it lacks; the adapter calls it when it is imported. Importing this module imports
-nothing of vLLM.
+attributes (`Request._output_token_ids`, the admission cap, the queues outside `waiting`). vLLM may rename any of
+them in a release: an override of a renamed method is never called, and the adapter would then run on without
+error, its policy blind to finishes or preemptions. `resolve` checks every one against the installed vLLM once,
+when the scheduler module is imported, and returns the names this release uses as plain attributes (`Hooks`); a
+release outside the supported range, or one that lacks a hook, is an ImportError of one line naming it. The
+adapter's overrides pass every other argument through, so the signatures that moved between releases (0.27's
+`_preempt_request(..., drop_stale_output)`, 0.33's output update moved from `AsyncScheduler` into `Scheduler`)
+need no entry here. Importing this module imports nothing of vLLM.
 
 Instance attributes cannot be seen on a class; they are found in the source of the `__init__` methods that set
 them (`self.<name> = ...`), which vLLM ships. Where a class's source cannot be read, its instance attributes are
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass
 from typing import Literal, get_args, get_origin
 
 # The releases the adapter supports (pyproject.toml's gpu extra): scripts/test-vllm-versions.sh runs the model-free
@@ -46,9 +50,38 @@ REQUEST_ATTRIBUTES = ("request_id", "sampling_params", "prompt_token_ids", "max_
 # connector reads nothing while it is not None).
 PREFIX_SKIPS = ("skip_reading_prefix_cache", "prefix_cache_hit_limit")
 # vLLM's native KV offloading connector, which `model.kv_offloading_gib` sets up: the adapter's offloading rules
-# (rollout.vllm_adapter) apply under it alone, not under connectors that load KV a request has never computed here
+# (rollout.vllm.offloading) apply under it alone, not under connectors that load KV a request has never computed here
 # (disaggregated prefill).
 OFFLOADING_CONNECTOR = "OffloadingConnector"
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the installed vLLM names the parts the adapter uses (`resolve`)."""
+
+    cap: str  # the admission cap attribute (one of CAP_ATTRIBUTES)
+    held_queue: str | None  # the queue admitted from before `waiting` where requests hold KV blocks (HELD_QUEUES)
+    loading_queues: tuple[str, ...]  # other queues outside the running set whose requests may load KV
+    prefix_skip: str  # the request attribute that makes a KV connector's lookup find nothing (PREFIX_SKIPS)
+    prefix_skip_value: bool | int  # its value for "read no cache": the flag set, or a limit of 0 tokens
+    preemption_stops_at_deferred_frees: bool  # see `preemption_stops_at_deferred_frees`
+    request_counts: bool  # the scheduler has get_request_counts() (else the adapter counts its two queues)
+
+
+def resolve(scheduler_cls: type | None = None, request_cls: type | None = None) -> Hooks:
+    """The installed vLLM's `Hooks` (or those of `scheduler_cls` and `request_cls`), checked: an ImportError of
+    one line for a release outside the range or one that lacks a hook (`check_scheduler_hooks`)."""
+    if scheduler_cls is None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        scheduler_cls = Scheduler
+    cap = check_scheduler_hooks(scheduler_cls, request_cls)
+    skip = prefix_skip_attribute(request_cls)
+    return Hooks(cap=cap, held_queue=held_queue_attribute(scheduler_cls),
+                 loading_queues=loading_queue_attributes(scheduler_cls), prefix_skip=skip,
+                 prefix_skip_value=True if skip == "skip_reading_prefix_cache" else 0,
+                 preemption_stops_at_deferred_frees=preemption_stops_at_deferred_frees(scheduler_cls),
+                 request_counts=callable(getattr(scheduler_cls, "get_request_counts", None)))
 
 
 def check_scheduler_hooks(scheduler_cls: type | None = None, request_cls: type | None = None) -> str:

