@@ -38,6 +38,10 @@ class ProfileConfig:
     long_share: float = 0.15
     long_ratio: float = 10.0
     long_drift: float = 1.0
+    # mixture: a third class between the two, `mid_share` of the prompts with outputs `mid_ratio` times longer (0:
+    # none).
+    mid_share: float = 0.0
+    mid_ratio: float = 1.0
     prompt_sigma: float = 0.0
     scale: float = 1.0  # real: multiply measured lengths
     # recorded: a rollout.generate run's samples.jsonl (or its output folder). Its first `num_prompts` prompts, each
@@ -147,9 +151,12 @@ def profile_requests(profile: ProfileConfig, iteration: int, seed: int = 0,
             prompt = _prompt(rng, f"p{i}", int(prompt_len * profile.scale), vocab_size)
             requests.append(Request(prompt, int(np.clip(out_len * profile.scale, 1, cap)), i))
     elif profile.kind == "mixture":
-        long = base.random(profile.num_prompts) < profile.long_share
+        draw = base.random(profile.num_prompts)
+        long = draw < profile.long_share
+        mid = ~long & (draw < profile.long_share + profile.mid_share)
         latent = base.lognormal(np.log(profile.median_output), profile.sigma, profile.num_prompts)
         latent *= np.where(long, profile.long_ratio * profile.long_drift ** iteration, 1.0) * profile.drift ** iteration
+        latent *= np.where(mid, profile.mid_ratio, 1.0)
         spread = base.lognormal(np.log(profile.prompt_tokens), profile.prompt_sigma, profile.num_prompts)
         prompt_lengths = np.clip(spread, 1, max_prompt_tokens(profile))
         prompts = [_prompt(base, f"p{i}", int(prompt_lengths[i]), vocab_size) for i in range(profile.num_prompts)]
