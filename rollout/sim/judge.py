@@ -78,7 +78,8 @@ def report(results: list[dict], seeds: str) -> str:
              f"- length oracle / vLLM's default, per draw: {distribution(oracle)}", "",
              "## The ten worst draws for the default", ""]
     for r in sorted(results, key=lambda r: r[DEFAULT]["ratio"])[:10]:
-        lines.append(f"- **{r[DEFAULT]['ratio']:.3f}x** (passes {' / '.join(f'{x:.3f}' for x in r[DEFAULT]['pass_ratios'])}; "
+        ratios = " / ".join(f"{x:.3f}" for x in r[DEFAULT]["pass_ratios"])
+        lines.append(f"- **{r[DEFAULT]['ratio']:.3f}x** (passes {ratios}; "
                      f"oracle {r[ORACLE]['ratio']:.3f}x) {r['workload']}")
         for k, view in enumerate(r["passes"]):
             d, v = view["default"], view["vllm"]
