@@ -247,7 +247,8 @@ def test_the_switch_reaches_an_engine_in_a_ray_actor_through_its_runtime_environ
             config = llm.llm_engine.vllm_config
             return config.scheduler_config.scheduler_cls, config.additional_config["rollout"], learned
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # A cluster of its own: another process's Ray on this host (a concurrent test run) would be joined otherwise.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor = ray.remote(num_cpus=1)(Engine).options(
             runtime_env={"env_vars": {SCHEDULER_ENV: json.dumps(settings), "HF_HUB_OFFLINE": "1"}}).remote()

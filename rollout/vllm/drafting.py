@@ -21,7 +21,6 @@ class TailDrafts:
         self.min_gain = min_gain
         self.source = DraftSource()
         self.drafted = False  # whether the last step set drafts
-        self.verified = [0, 0]  # draft and accepted tokens of the step whose output is being read
 
     def new_pass(self) -> None:
         self.source.new_pass()
@@ -55,8 +54,6 @@ class TailDrafts:
 
     def step_verified(self, key: str | None, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """vLLM verified a request's drafts (of the prompt `key`, None: unknown) in the step being read."""
-        self.verified[0] += num_draft_tokens
-        self.verified[1] += num_accepted_tokens
         if key is not None:
             self.source.verified(key, num_accepted_tokens, tokens_tested(num_draft_tokens, num_accepted_tokens))
 

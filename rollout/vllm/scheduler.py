@@ -103,6 +103,8 @@ class _DynamicBatchMixin:
         self._max_step_tokens = getattr(self, "max_num_scheduled_tokens", None)
         drafting = config.spec_draft_tokens if self.vllm_config.speculative_config is not None else 0
         self.drafts = TailDrafts(drafting, config.spec_max_batch, config.spec_min_gain) if drafting else None
+        # Draft and accepted tokens of the step whose output is being read (whoever drafted them), for its record.
+        self._verified = [0, 0]
 
     @property
     def memory(self) -> PromptMemory | None:
@@ -278,6 +280,8 @@ class _DynamicBatchMixin:
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args,
                                  **kwargs):
         # vLLM calls this once for each request whose drafts the step verified, inside update_from_output.
+        self._verified[0] += num_draft_tokens
+        self._verified[1] += num_accepted_tokens
         if self.drafts is not None:
             self.drafts.step_verified(self._prompt_keys.get(kwargs.get("request_id")), num_draft_tokens,
                                       num_accepted_tokens)
@@ -285,8 +289,7 @@ class _DynamicBatchMixin:
                                                 **kwargs)
 
     def update_from_output(self, scheduler_output, *args, **kwargs):
-        if self.drafts is not None:
-            self.drafts.verified = [0, 0]
+        self._verified = [0, 0]
         outputs = super().update_from_output(scheduler_output, *args, **kwargs)
         started = time.perf_counter()
         done = not self.has_unfinished_requests()
@@ -320,7 +323,7 @@ class _DynamicBatchMixin:
             # This step's adapter time: its schedule() and what came since the last record (the finishes, the
             # records' writing); the writing that follows counts in the next.
             adapter_s, finish_cpu_us = self.timer.take()
-            draft_tokens, accepted_tokens = self.drafts.verified if self.drafts is not None else (0, 0)
+            draft_tokens, accepted_tokens = self._verified
             self.trace.add(record, StepDone(latency_s=latency, decode_requests=decode_requests,
                                             prefill_tokens=prefill_tokens, adapter_s=adapter_s,
                                             finish_cpu_us=finish_cpu_us, draft_tokens=draft_tokens,
