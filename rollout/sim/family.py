@@ -106,16 +106,21 @@ def draw(seed: int) -> Draw:
     cut = float(rng.uniform(0.0, 0.5))  # the share of the first pass's samples max_tokens cuts
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     kv_share = _log_uniform(rng, 0.05, 2.0)
-    uncut = np.array([r.output_tokens for r in profile_requests(profile, 0, seed)])
+    first = profile_requests(profile, 0, seed)
+    uncut = np.array([r.output_tokens for r in first])
     if uncut.sum() > MAX_PASS_TOKENS and profile.num_prompts > 8:
         profile.num_prompts = max(int(profile.num_prompts * MAX_PASS_TOKENS / uncut.sum()), 8)
-        uncut = np.array([r.output_tokens for r in profile_requests(profile, 0, seed)])
+        first = profile_requests(profile, 0, seed)
+        uncut = np.array([r.output_tokens for r in first])
     profile.max_output = min(max(int(np.quantile(uncut, 1 - cut)), 16), MAX_TOKENS_LIMIT)
-    first = profile_requests(profile, 0, seed)
+    # The first pass as the profile now draws it: the same draws, cut at max_tokens.
+    for request in first:
+        request.output_tokens = min(request.output_tokens, profile.max_output)
     truncated = float(np.mean([r.output_tokens >= profile.max_output for r in first]))
     # Every request must fit the cache alone, as vLLM requires of max_model_len.
     longest = max(len(r.prompt.token_ids) for r in first) + profile.max_output
-    capacity = max(round(kv_share * peak_demand_tokens(first)), longest + 2 * BLOCK_SIZE)
+    demand = peak_demand_tokens(first)
+    capacity = max(round(kv_share * demand), longest + 2 * BLOCK_SIZE)
     capacity = -(-capacity // BLOCK_SIZE) * BLOCK_SIZE
     profile.kv_cache_memory_bytes = capacity * shape.kv_bytes_per_token
-    return Draw(seed, profile, shape, capacity, capacity / peak_demand_tokens(first), truncated)
+    return Draw(seed, profile, shape, capacity, capacity / demand, truncated)
